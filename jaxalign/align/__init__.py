@@ -1,0 +1,1 @@
+"""Measure, localise and close the trainer-engine gap."""

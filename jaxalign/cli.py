@@ -1,0 +1,125 @@
+"""The `jaxalign` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flax import nnx
+
+from jaxalign import report
+from jaxalign.model.config import ModelConfig, preset_names
+from jaxalign.model.transformer import Transformer
+from jaxalign.numerics import FIELDS, PRESETS, NumericPolicy
+
+COMPARE_COLUMNS = ["engine_batch", "kl", "k3_kl", "chi2_token", "max_abs_logp_diff", "bitwise_equal_fraction",
+                   "route_flip_rate", "route_token_any_flip", "n_tokens"]
+
+
+def _policy(text: str) -> NumericPolicy:
+    try:
+        return NumericPolicy.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: positive ints, e.g. 1,8,32")
+    return values
+
+
+def _model_preset(name: str) -> str:
+    if name not in preset_names():
+        raise argparse.ArgumentTypeError(f"unknown model preset {name!r}; allowed: {', '.join(preset_names())}")
+    return name
+
+
+def build_model(preset: str, seed: int = 0) -> Transformer:
+    """A randomly initialised model of a preset config."""
+    return Transformer(ModelConfig.preset(preset), rngs=nnx.Rngs(seed))
+
+
+def cmd_policies(args) -> int:
+    if args.json:
+        print(report.to_json({name: p.to_dict() | {"string": str(p)} for name, p in PRESETS.items()}))
+        return 0
+    rows = [{"field": f"{name} ({spec.key})", **{p: getattr(PRESETS[p], name) for p in PRESETS}}
+            for name, spec in FIELDS.items()]
+    print(report.table(rows, ["field", *PRESETS]))
+    print("\nFields:")
+    for name, spec in FIELDS.items():
+        print(f"  {spec.key:<15} {spec.allowed:<40} {spec.doc}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from jaxalign.align.compare import compare
+    result = compare(build_model(args.model, args.model_seed), args.trainer, args.engine, replay=args.replay,
+                     n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, engine_batches=args.engine_batch,
+                     schedule=args.schedule, prefill_chunk=args.prefill_chunk, seed=args.seed)
+    if args.json:
+        print(report.to_json(result))
+        return 0
+    print(f"model {args.model} ({result['config_fingerprint']}), replay {args.replay}, schedule {args.schedule}")
+    print(f"trainer: {result['trainer']}\nengine:  {result['engine']}")
+    print("differs in: " + (", ".join(f"{f} ({a} vs {b})" for f, a, b in result["policy_diff"]) or "nothing"))
+    print(report.table(result["runs"], COMPARE_COLUMNS))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from jaxalign.demo import run_demo
+    return run_demo(json_out=args.json, quick=args.quick)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxalign", description=(
+        "One MoE transformer under two numeric policies (trainer and rollout engine): measure, localise and "
+        "close the gap between them."))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("policies", help="print every policy preset with all its fields")
+    p.add_argument("--json", action="store_true", help="one JSON object: preset -> fields")
+    p.set_defaults(func=cmd_policies)
+
+    p = sub.add_parser("demo", help="the main job: measure the trainer-engine gap, misaligned vs aligned")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--quick", action="store_true", help="a smaller run (used by the tests)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("compare", help="generate with the engine policy, score with the trainer policy, "
+                                       "report KL / k3 / route flips per engine batch size")
+    p.add_argument("--model", type=_model_preset, default="small", help="model preset (default small)")
+    p.add_argument("--model-seed", type=int, default=0, help="parameter init seed")
+    p.add_argument("--trainer", type=_policy, default=PRESETS["train-bf16"], help="trainer policy (preset or string)")
+    p.add_argument("--engine", type=_policy, default=PRESETS["serve-bf16"], help="engine policy")
+    p.add_argument("--replay", choices=("none", "r2", "r3"), default="none", help="router replay mode")
+    p.add_argument("--prompts", type=int, default=16, help="number of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--engine-batch", type=_int_list, default=[8], help="engine batch sizes, e.g. 1,8,32")
+    p.add_argument("--schedule", choices=("static", "continuous"), default="static")
+    p.add_argument("--prefill-chunk", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
+    p.add_argument("--json", action="store_true", help="one JSON object with all metrics per engine batch size")
+    p.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `jaxalign` console command."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"jaxalign {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

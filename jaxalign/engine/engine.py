@@ -1,0 +1,186 @@
+"""The rollout engine: holds its own copy of the weights (cast once to the policy's parameter dtype, as an
+engine receives a weight update) and generates with the compiled programs in `kernels`."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxalign.align.replay import RoutingRecord
+from jaxalign.engine import kernels
+from jaxalign.engine.rollout import Rollout
+from jaxalign.model.transformer import Transformer
+from jaxalign.numerics import NumericPolicy, cast_params, dtype
+from jaxalign.numerics.sampling import check_sampling
+
+SCHEDULES = ("static", "continuous")
+_BUCKET = 8
+
+
+@functools.partial(jax.jit, static_argnames=("policy",))
+def _cast_state(state, policy):
+    return cast_params(state, policy)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class Engine:
+    """A generation engine for one model structure under one NumericPolicy.
+
+    `Engine(model, policy)` casts the model's f32 master weights to `policy.param_dtype` once;
+    `sync_weights(model)` does it again after a training step. `generate(...)` never casts weights.
+    """
+
+    def __init__(self, model: Transformer, policy: NumericPolicy):
+        if not isinstance(policy, NumericPolicy):
+            raise ValueError(f"policy must be a NumericPolicy, got {type(policy).__name__}")
+        self.policy = policy
+        self.config = model.config
+        self.graphdef, _ = nnx.split(model)
+        self.state = None
+        self.sync_weights(model)
+
+    def sync_weights(self, model: Transformer) -> None:
+        """Receive new weights: cast the model's parameters to the engine's parameter dtype (once)."""
+        if model.config != self.config:
+            raise ValueError("sync_weights got a model with another config than this engine was built for")
+        _, state = nnx.split(model)
+        self.state = _cast_state(state, self.policy)
+
+    def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, batch_size, schedule,
+               prefill_chunk) -> list[np.ndarray]:
+        cfg = self.config
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+            prompts = list(prompts)
+        if not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of token-id sequences")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {max_new_tokens!r}; allowed: an int >= 1")
+        check_sampling(temperature, top_k, top_p)
+        if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+            raise ValueError(f"eos_id = {eos_id}; allowed: None or 0..{cfg.vocab_size - 1}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule = {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size = {batch_size!r}; allowed: None or an int >= 1")
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk = {prefill_chunk!r}; allowed: None or an int >= 1")
+        if prefill_chunk is not None and schedule == "continuous":
+            raise ValueError("prefill_chunk applies to the static schedule; continuous batching prefills one "
+                             "token per slot per step")
+        out = []
+        for i, prompt in enumerate(prompts):
+            arr = np.asarray(prompt)
+            if arr.ndim != 1 or arr.size == 0:
+                raise ValueError(f"prompt {i} is empty or not 1-D (shape {arr.shape}); every prompt needs >= 1 token")
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"prompt {i} holds {arr.dtype}, not integer token ids")
+            if arr.min() < 0 or arr.max() >= cfg.vocab_size:
+                raise ValueError(f"prompt {i} holds ids in [{arr.min()}, {arr.max()}]; allowed: "
+                                 f"0..{cfg.vocab_size - 1}")
+            if arr.size + max_new_tokens > cfg.max_seq_len:
+                raise ValueError(f"prompt {i} has {arr.size} tokens + max_new_tokens {max_new_tokens} > the "
+                                 f"cache (max_seq_len = {cfg.max_seq_len})")
+            out.append(arr.astype(np.int32))
+        return out
+
+    def generate(self, prompts, *, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
+                 batch_size: int | None = None, schedule: str = "static",
+                 prefill_chunk: int | None = None, request_ids=None) -> Rollout:
+        """Generate a completion for every prompt; see `jaxalign.generate`."""
+        prompts = self._check(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, batch_size, schedule,
+                              prefill_chunk)
+        n = len(prompts)
+        ids = np.arange(n, dtype=np.int32) if request_ids is None else np.asarray(request_ids)
+        if ids.shape != (n,) or not np.issubdtype(ids.dtype, np.integer) or (n and ids.min() < 0):
+            raise ValueError(f"request_ids must be {n} non-negative ints (one per prompt), got {request_ids!r}")
+        ids = ids.astype(np.int32)
+        lens = np.array([len(p) for p in prompts], np.int32)
+        p_max = _round_up(int(lens.max()), _BUCKET)
+        cache_len = _round_up(p_max + max_new_tokens, _BUCKET)
+        padded = np.zeros((n, p_max), np.int32)
+        for i, prompt in enumerate(prompts):
+            padded[i, : len(prompt)] = prompt
+        static = dict(policy=self.policy, max_new=max_new_tokens, cache_len=cache_len, eos_id=eos_id,
+                      temperature=float(temperature), top_k=top_k, top_p=None if top_p is None else float(top_p))
+        compiles_before = kernels.compile_count()
+        start = time.perf_counter()
+        seq_len = p_max + max_new_tokens
+        tokens = np.zeros((n, seq_len), np.int32)
+        step_lp = np.zeros((n, seq_len), np.float32)  # entry p: logprob of the token at position p
+        n_gen = np.zeros(n, np.int32)
+        routing = [np.zeros((n, seq_len, self.config.n_moe_layers, self.config.top_k), np.int32),
+                   np.zeros((n, seq_len, self.config.n_moe_layers, self.config.top_k), np.float32),
+                   np.zeros((n, seq_len, self.config.n_moe_layers), np.float32)]
+        slots = batch_size or n
+        if schedule == "static":
+            for first in range(0, n, slots):
+                rows = np.arange(first, min(first + slots, n))
+                pick = np.concatenate([rows, np.full(slots - len(rows), rows[0])])  # pad the last batch
+                out_tok, out_lp, gen, bufs = kernels.run_static(
+                    self.graphdef, self.state, jnp.asarray(padded[pick]), jnp.asarray(lens[pick]),
+                    jnp.asarray(ids[pick]), jnp.int32(seed), prefill_chunk=prefill_chunk, **static)
+                out_tok, out_lp, gen = np.asarray(out_tok), np.asarray(out_lp), np.asarray(gen)
+                k = len(rows)
+                for j, i in enumerate(rows):
+                    tokens[i, : lens[i]] = prompts[i]
+                    tokens[i, lens[i]: lens[i] + gen[j]] = out_tok[j, : gen[j]]
+                    step_lp[i, lens[i]: lens[i] + gen[j]] = out_lp[j, : gen[j]]
+                n_gen[rows] = gen[:k]
+                for dst, src in zip(routing, bufs):
+                    dst[rows] = np.asarray(src)[:k, :seq_len]
+        else:
+            tok_buf, lp_buf, gen, bufs = kernels.run_continuous(
+                self.graphdef, self.state, jnp.asarray(padded), jnp.asarray(lens), jnp.asarray(ids),
+                jnp.int32(seed), slots=slots, **static)
+            tokens[:] = np.asarray(tok_buf)[:, :seq_len]
+            step_lp[:] = np.asarray(lp_buf)[:, :seq_len]
+            n_gen[:] = np.asarray(gen)
+            for dst, src in zip(routing, bufs):
+                dst[:] = np.asarray(src)[:, :seq_len]
+        elapsed = time.perf_counter() - start
+        pos = np.arange(seq_len)[None, :]
+        in_completion = (pos >= lens[:, None]) & (pos < (lens + n_gen)[:, None])
+        tokens = np.where(pos < (lens + n_gen)[:, None], tokens, 0).astype(np.int32)
+        last = tokens[np.arange(n), lens + n_gen - 1]
+        reasons = ["eos" if eos_id is not None and last[i] == eos_id else "length" for i in range(n)]
+        return Rollout(
+            tokens=tokens, logprobs=np.where(in_completion, step_lp, 0.0)[:, 1:].astype(np.float32),
+            mask=in_completion[:, 1:], prompt_lens=lens, completion_lens=n_gen, finish_reasons=reasons,
+            routing=RoutingRecord(indices=routing[0], weights=routing[1], margins=routing[2]),
+            stats={"schedule": schedule, "batch_size": slots, "policy": str(self.policy), "seconds": elapsed,
+                   "new_tokens": int(n_gen.sum()), "compiles": kernels.compile_count() - compiles_before,
+                   "cache_len": cache_len, "kv_cache_bytes": self.kv_cache_bytes(slots, cache_len)})
+
+    def kv_cache_bytes(self, batch: int, cache_len: int) -> int:
+        """Bytes of the KV cache for `batch` rows of `cache_len` slots under this policy."""
+        cfg = self.config
+        itemsize = jnp.dtype(dtype(self.policy.kv_cache_dtype)).itemsize
+        return 2 * cfg.n_layers * batch * cache_len * cfg.n_kv_heads * cfg.head_dim * itemsize
+
+
+def generate(model: Transformer, prompts, policy: NumericPolicy, *, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
+             batch_size: int | None = None, schedule: str = "static",
+             prefill_chunk: int | None = None, request_ids=None) -> Rollout:
+    """Generate completions for `prompts` (a list of token-id sequences) under an engine `policy`.
+
+    `temperature=0` is greedy. `schedule="static"` runs requests in batches of `batch_size` (default: all at
+    once); `"continuous"` keeps `batch_size` slots busy, refilling a finished slot with the next request.
+    `prefill_chunk` prefills static batches C tokens at a time. Returns a `Rollout` with the engine's logprob of
+    every sampled token (see `jaxalign.numerics.sampling` for what that logprob means) and the routing record.
+    Random draws are keyed by (seed, request id, position); `request_ids` (default 0..n-1) names the requests,
+    so one request draws the same tokens whatever batch or slot it runs in.
+    """
+    return Engine(model, policy).generate(
+        prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
+        seed=seed, batch_size=batch_size, schedule=schedule, prefill_chunk=prefill_chunk, request_ids=request_ids)

@@ -1,0 +1,184 @@
+"""The engine's compiled programs: static-batch generation (prefill, then a `lax.while_loop` decode) and
+continuous batching (a fixed set of slots, each advancing one token per step, refilled inside the loop).
+
+KV layout: a request's token at position p lives in cache slot p, whatever batch or slot it runs in, so a
+request's attention reduces over the same slots in prefill, decode and the trainer's full forward.
+Sampling is keyed by (seed, request index, position), so a request gets the same draws wherever it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxalign.numerics import NumericPolicy, dtype
+from jaxalign.numerics.reduce import log_softmax
+from jaxalign.numerics.sampling import sampling_logprobs
+
+_COMPILES = {"count": 0}
+
+
+def compile_count() -> int:
+    """How many times an engine program has been traced (compiled) in this process."""
+    return _COMPILES["count"]
+
+
+def _empty_kv(cfg, batch: int, cache_len: int, policy: NumericPolicy):
+    shape = (batch, cache_len, cfg.n_kv_heads, cfg.head_dim)
+    kvdt = dtype(policy.kv_cache_dtype)
+    return [(jnp.zeros(shape, kvdt), jnp.zeros(shape, kvdt)) for _ in range(cfg.n_layers)]
+
+
+def _empty_routing(cfg, rows: int, cache_len: int):
+    shape = (rows, cache_len, cfg.n_moe_layers, cfg.top_k)
+    return (jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32),
+            jnp.full(shape[:3], jnp.inf, jnp.float32))
+
+
+def _write_routing(buffers, record, rows, positions):
+    """Scatter a forward's routing [B, T, ...] into buffers [R, M, ...] at (rows [B, 1], positions [B, T])."""
+    idx, w, m = buffers
+    return (idx.at[rows, positions].set(record.indices, mode="drop"),
+            w.at[rows, positions].set(record.weights, mode="drop"),
+            m.at[rows, positions].set(record.margins, mode="drop"))
+
+
+def _sample(logits, request_ids, positions, seed, policy, temperature, top_k, top_p):
+    """One token per row from logits [B, V]; the key of row b is (seed, request_ids[b], positions[b])."""
+    if temperature == 0:
+        lp = log_softmax(logits, policy)
+        token = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    else:
+        lp = sampling_logprobs(logits, policy, temperature, top_k, top_p)
+        base = jax.random.key(seed)
+
+        def gumbel(req, pos):
+            key = jax.random.fold_in(jax.random.fold_in(base, req), pos)
+            return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
+
+        noise = jax.vmap(gumbel)(request_ids, positions)
+        token = jnp.argmax(lp + noise, axis=-1).astype(jnp.int32)
+    return token, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
+
+
+def _finish(buffers, lens, n_gen):
+    """Mask routing of positions never forwarded: the last generated token, and everything after it."""
+    idx, w, m = buffers
+    pos = jnp.arange(idx.shape[1])[None, :]
+    valid = pos < (lens + n_gen - 1)[:, None]
+    return (jnp.where(valid[..., None, None], idx, -1), jnp.where(valid[..., None, None], w, 0.0),
+            jnp.where(valid[..., None], m, jnp.inf))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_new", "cache_len", "eos_id",
+                                             "temperature", "top_k", "top_p", "prefill_chunk"))
+def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max_new, cache_len, eos_id,
+               temperature, top_k, top_p, prefill_chunk):
+    """Generate for one static batch. prompts [B, P] right-padded, lens [B]. Returns
+    (tokens [B, max_new], logprobs [B, max_new], n_generated [B], routing buffers [B, cache_len, ...])."""
+    _COMPILES["count"] += 1
+    model = nnx.merge(graphdef, state)
+    cfg = model.config
+    b, p = prompts.shape
+    kv = _empty_kv(cfg, b, cache_len, policy)
+    routing = _empty_routing(cfg, b, cache_len)
+    rows = jnp.arange(b)[:, None]
+    chunk = prefill_chunk or p
+    logits_parts = []
+    for start in range(0, p, chunk):
+        stop = min(start + chunk, p)
+        positions = jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (b, stop - start))
+        logits, record, kv = model.forward(prompts[:, start:stop], policy, positions=positions, kv=kv)
+        logits_parts.append(logits)
+        routing = _write_routing(routing, record, rows, positions)
+    last = jnp.concatenate(logits_parts, axis=1)[jnp.arange(b), lens - 1]
+    sample = functools.partial(_sample, seed=seed, policy=policy, temperature=temperature, top_k=top_k,
+                               top_p=top_p)
+    tok0, lp0 = sample(last, request_ids, lens)
+    out_tok = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok0)
+    out_lp = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(lp0)
+    n_gen = jnp.ones((b,), jnp.int32)
+    done = (tok0 == eos_id) if eos_id is not None else jnp.zeros((b,), bool)
+    done = done | (max_new <= 1)
+
+    def cond(carry):
+        step, _, _, _, done, _, _ = carry
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        step, out_tok, out_lp, n_gen, done, kv, routing = carry
+        positions = (lens + step - 1)[:, None]
+        logits, record, kv = model.forward(out_tok[:, step - 1][:, None], policy, positions=positions, kv=kv)
+        routing = _write_routing(routing, record, rows, positions)
+        tok, lp = sample(logits[:, 0], request_ids, lens + step)
+        active = ~done
+        out_tok = out_tok.at[:, step].set(jnp.where(active, tok, 0))
+        out_lp = out_lp.at[:, step].set(jnp.where(active, lp, 0.0))
+        n_gen = n_gen + active
+        hit_eos = (tok == eos_id) if eos_id is not None else jnp.zeros_like(active)
+        done = done | (active & hit_eos) | (n_gen >= max_new)
+        return step + 1, out_tok, out_lp, n_gen, done, kv, routing
+
+    carry = (jnp.int32(1), out_tok, out_lp, n_gen, done, kv, routing)
+    _, out_tok, out_lp, n_gen, _, _, routing = jax.lax.while_loop(cond, body, carry)
+    return out_tok, out_lp, n_gen, _finish(routing, lens, n_gen)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "slots", "max_new", "cache_len", "eos_id",
+                                             "temperature", "top_k", "top_p"))
+def run_continuous(graphdef, state, prompts, lens, request_ids, seed, *, policy, slots, max_new, cache_len, eos_id,
+                   temperature, top_k, top_p):
+    """Continuous batching over all requests. prompts [R, P] right-padded, lens [R].
+
+    `slots` rows advance one token per step (a prompt token while a request is in prefill, its last sampled
+    token after); a finished request's slot takes the next waiting request inside the loop, so the batch's
+    composition changes from step to step. Returns (token buffer [R, cache_len], logprob buffer [R, cache_len]
+    (entry p = logprob of the token at position p), n_generated [R], routing buffers [R, cache_len, ...]).
+    """
+    _COMPILES["count"] += 1
+    model = nnx.merge(graphdef, state)
+    cfg = model.config
+    r, p = prompts.shape
+    tok_buf = jnp.zeros((r, cache_len), jnp.int32).at[:, :p].set(prompts)
+    lp_buf = jnp.zeros((r, cache_len), jnp.float32)
+    routing = _empty_routing(cfg, r, cache_len)
+    kv = _empty_kv(cfg, slots, cache_len, policy)
+    first = jnp.arange(slots, dtype=jnp.int32)
+    slot_req = jnp.where(first < r, first, -1)
+    slot_pos = jnp.zeros((slots,), jnp.int32)
+    n_gen = jnp.zeros((r,), jnp.int32)
+    next_req = jnp.int32(min(slots, r))
+
+    def cond(carry):
+        return jnp.any(carry[0] >= 0)
+
+    def body(carry):
+        slot_req, slot_pos, next_req, tok_buf, lp_buf, n_gen, kv, routing = carry
+        active = slot_req >= 0
+        req = jnp.maximum(slot_req, 0)
+        target = jnp.where(active, req, r)[:, None]  # row r is out of range: writes dropped
+        tokens = tok_buf[req, slot_pos][:, None]
+        logits, record, kv = model.forward(tokens, policy, positions=slot_pos[:, None], kv=kv)
+        routing = _write_routing(routing, record, target, slot_pos[:, None])
+        sampling = active & (slot_pos >= lens[req] - 1)
+        tok, lp = _sample(logits[:, 0], request_ids[req], slot_pos + 1, seed, policy, temperature, top_k, top_p)
+        write = jnp.where(sampling, req, r)
+        tok_buf = tok_buf.at[write, slot_pos + 1].set(tok, mode="drop")
+        lp_buf = lp_buf.at[write, slot_pos + 1].set(lp, mode="drop")
+        generated = n_gen[req] + sampling
+        n_gen = n_gen.at[write].set(generated, mode="drop")
+        hit_eos = (tok == eos_id) if eos_id is not None else jnp.zeros_like(sampling)
+        finished = sampling & (hit_eos | (generated >= max_new))
+        rank = jnp.cumsum(finished) - 1
+        incoming = next_req + rank
+        slot_req = jnp.where(finished, jnp.where(incoming < r, incoming, -1), slot_req)
+        slot_pos = jnp.where(active & ~finished, slot_pos + 1, 0)
+        next_req = jnp.minimum(next_req + jnp.sum(finished), r)
+        return slot_req, slot_pos, next_req, tok_buf, lp_buf, n_gen, kv, routing
+
+    carry = (slot_req, slot_pos, next_req, tok_buf, lp_buf, n_gen, kv, routing)
+    _, _, _, tok_buf, lp_buf, n_gen, _, routing = jax.lax.while_loop(cond, body, carry)
+    return tok_buf, lp_buf, n_gen, _finish(routing, lens, n_gen)

@@ -1,0 +1,61 @@
+"""Grouped-query attention with RoPE, optional q/k norm and an optional KV cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxalign.model.config import ModelConfig
+from jaxalign.model.layers import Linear, RMSNorm
+from jaxalign.numerics import NumericPolicy, dtype
+from jaxalign.numerics.attention import attention, rope
+
+
+class Attention(nnx.Module):
+    """GQA self-attention. q/k norm: `head` (per head over head_dim, Qwen3) or `proj` (whole projection, OLMoE)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = Linear(cfg.d_model, q_dim, ("embed", "q_heads"), rngs=rngs, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.d_model, kv_dim, ("embed", "kv_heads"), rngs=rngs, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.d_model, kv_dim, ("embed", "kv_heads"), rngs=rngs, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_dim, cfg.d_model, ("q_heads", "embed"), rngs=rngs)
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, "head_dim", rngs=rngs)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, "head_dim", rngs=rngs)
+        elif cfg.qk_norm == "proj":
+            self.q_norm = RMSNorm(q_dim, cfg.rms_eps, "q_heads", rngs=rngs)
+            self.k_norm = RMSNorm(kv_dim, cfg.rms_eps, "kv_heads", rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x: jax.Array, positions: jax.Array, policy: NumericPolicy,
+                 kv: tuple[jax.Array, jax.Array] | None = None):
+        """x [B, S, D], positions [B, S]. With `kv` = (k_cache, v_cache) [B, M, KVH, Dh], the new keys/values are
+        written at slot = position and attention reads the whole cache. Returns (out [B, S, D], new kv or None)."""
+        cfg = self.cfg
+        b, s, _ = x.shape
+        q, k, v = self.q_proj(x, policy), self.k_proj(x, policy), self.v_proj(x, policy)
+        if cfg.qk_norm == "proj":
+            q, k = self.q_norm(q, policy), self.k_norm(k, policy)
+        q = q.reshape(b, s, cfg.n_heads, cfg.head_dim)
+        k = k.reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+        v = v.reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q, k = self.q_norm(q, policy), self.k_norm(k, policy)
+        q = rope(q, positions, cfg.rope_theta, policy)
+        kv_dtype = dtype(policy.kv_cache_dtype)
+        k = rope(k, positions, cfg.rope_theta, policy).astype(kv_dtype)
+        v = v.astype(kv_dtype)
+        if kv is None:
+            keys, values, k_pos, new_kv = k, v, positions, None
+        else:
+            rows = jnp.arange(b)[:, None]
+            keys = kv[0].at[rows, positions].set(k.astype(kv[0].dtype), mode="drop")
+            values = kv[1].at[rows, positions].set(v.astype(kv[1].dtype), mode="drop")
+            k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
+            new_kv = (keys, values)
+        out = attention(q, keys, values, positions, k_pos, policy)
+        return self.o_proj(out.reshape(b, s, -1), policy), new_kv

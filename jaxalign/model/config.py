@@ -1,0 +1,159 @@
+"""ModelConfig: the architecture of one MoE transformer, with named presets for tests, the demo, benchmarks and
+the model families transformers ships (at tiny sizes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+ROUTERS = ("softmax_topk", "sigmoid_grouped")
+QK_NORMS = ("none", "head", "proj")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture of a decoder-only MoE transformer.
+
+    Routers: `softmax_topk` (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): softmax over expert logits, top-k, optional
+    renormalisation (`norm_topk_prob`). `sigmoid_grouped` (DeepSeek-V3, GLM-4.5): sigmoid scores, a selection-only
+    bias, group-limited top-k (`n_groups`, `topk_groups`, group score = sum of its top-2), weights from the
+    bias-free scores, optional renormalisation, times `routed_scaling_factor`.
+    """
+
+    family: str = "jaxalign"
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    dense_mlp_dim: int
+    n_experts: int
+    top_k: int
+    expert_dim: int
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    n_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    shared_expert_dim: int = 0
+    shared_expert_gate: bool = False
+    first_k_dense: int = 0
+    qk_norm: str = "none"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    max_seq_len: int = 256
+    rms_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dense_mlp_dim",
+                     "n_experts", "top_k", "expert_dim", "n_groups", "topk_groups", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} = {value!r}; allowed: a positive int")
+        for name in ("n_shared_experts", "shared_expert_dim", "first_k_dense"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{name} = {value!r}; allowed: an int >= 0")
+        if self.router not in ROUTERS:
+            raise ValueError(f"ModelConfig.router = {self.router!r}; allowed: {', '.join(ROUTERS)}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"ModelConfig.qk_norm = {self.qk_norm!r}; allowed: {', '.join(QK_NORMS)}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"ModelConfig.top_k = {self.top_k} exceeds n_experts = {self.n_experts}; "
+                             f"allowed: 1..{self.n_experts}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelConfig.n_heads = {self.n_heads} is not divisible by n_kv_heads = "
+                             f"{self.n_kv_heads}; allowed: n_kv_heads dividing n_heads")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim = {self.head_dim}; allowed: an even number (RoPE rotates pairs)")
+        if self.n_experts % self.n_groups:
+            raise ValueError(f"ModelConfig.n_groups = {self.n_groups} does not divide n_experts = "
+                             f"{self.n_experts}; allowed: a divisor of n_experts")
+        if self.topk_groups > self.n_groups:
+            raise ValueError(f"ModelConfig.topk_groups = {self.topk_groups} exceeds n_groups = {self.n_groups}")
+        if self.router == "sigmoid_grouped":
+            per_group = self.n_experts // self.n_groups
+            if per_group < 2:
+                raise ValueError(f"ModelConfig: sigmoid_grouped routing scores a group by its top-2 experts; "
+                                 f"n_experts / n_groups = {per_group}, allowed: >= 2")
+            if self.top_k > self.topk_groups * per_group:
+                raise ValueError(f"ModelConfig.top_k = {self.top_k} exceeds the {self.topk_groups} selectable "
+                                 f"groups x {per_group} experts; allowed: <= {self.topk_groups * per_group}")
+        if self.first_k_dense >= self.n_layers:
+            raise ValueError(f"ModelConfig.first_k_dense = {self.first_k_dense} leaves no MoE layer in "
+                             f"n_layers = {self.n_layers}; allowed: 0..{self.n_layers - 1}")
+        if (self.n_shared_experts > 0 or self.shared_expert_gate) and self.shared_expert_dim <= 0:
+            raise ValueError("ModelConfig.shared_expert_dim must be > 0 when shared experts are used")
+        if self.rope_theta <= 0 or self.rms_eps <= 0:
+            raise ValueError(f"ModelConfig.rope_theta = {self.rope_theta}, rms_eps = {self.rms_eps}; "
+                             f"allowed: positive floats")
+
+    # ----------------------------------------------------------------------------------------------------------
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with a routed MoE block (the others have a dense SwiGLU MLP)."""
+        return tuple(range(self.first_k_dense, self.n_layers))
+
+    @property
+    def n_moe_layers(self) -> int:
+        """Number of MoE layers (the third axis of a RoutingRecord)."""
+        return len(self.moe_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field name -> value (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """Inverse of `to_dict`; unknown keys are refused."""
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
+        return cls(**data)
+
+    def fingerprint(self) -> str:
+        """A short stable hash of the architecture; routing records and golden files carry it."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        """A named preset: tiny, small, bench, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, tiny-olmoe,
+        tiny-glm4-moe."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(_PRESETS)}")
+        return _PRESETS[name]
+
+
+def preset_names() -> tuple[str, ...]:
+    """Names accepted by `ModelConfig.preset`."""
+    return tuple(_PRESETS)
+
+
+_TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, dense_mlp_dim=64,
+             n_experts=8, top_k=4, expert_dim=16, max_seq_len=64)
+
+_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(**_TINY, qk_norm="head"),
+    "small": ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                         dense_mlp_dim=128, n_experts=8, top_k=2, expert_dim=64, qk_norm="head", max_seq_len=256),
+    "bench": ModelConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32,
+                         dense_mlp_dim=512, n_experts=16, top_k=4, expert_dim=64, qk_norm="head", max_seq_len=256),
+    "tiny-qwen3-moe": ModelConfig(**_TINY, family="qwen3_moe", qk_norm="head", norm_topk_prob=True,
+                                  rope_theta=1e6),
+    "tiny-qwen2-moe": ModelConfig(**_TINY, family="qwen2_moe", qkv_bias=True, norm_topk_prob=False,
+                                  shared_expert_dim=32, shared_expert_gate=True),
+    "tiny-mixtral": ModelConfig(**_TINY, family="mixtral", norm_topk_prob=True, rope_theta=1e6),
+    "tiny-olmoe": ModelConfig(**_TINY, family="olmoe", qk_norm="proj", norm_topk_prob=False),
+    "tiny-glm4-moe": ModelConfig(**{**_TINY, "n_layers": 3}, family="glm4_moe", router="sigmoid_grouped",
+                                 n_groups=4, topk_groups=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                 n_shared_experts=1, shared_expert_dim=16, first_k_dense=1),
+}

@@ -1,0 +1,85 @@
+"""Basic layers: parameters with logical axis names, linear, RMSNorm, embedding, dense SwiGLU MLP.
+
+Parameters are float32 masters. Every numeric decision goes through `jaxalign.numerics`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxalign.numerics import NumericPolicy, as_compute, as_param
+from jaxalign.numerics.matmul import matmul
+from jaxalign.numerics.reduce import rms_norm
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], *, std: float | None = None,
+          fan_in: int | None = None, init: str = "normal") -> nnx.Param:
+    """A float32 parameter tagged with logical axis names (mapped to mesh axes by `model.sharding`).
+
+    `init`: "normal" (std, default 1/sqrt(fan_in)), "ones" or "zeros".
+    """
+    if len(shape) != len(axes):
+        raise ValueError(f"parameter of shape {shape} needs {len(shape)} axis names, got {axes}")
+    if init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        scale = std if std is not None else 1.0 / math.sqrt(fan_in if fan_in else shape[0])
+        value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class Linear(nnx.Module):
+    """y = x @ w (+ b), w [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, rngs: nnx.Rngs, bias: bool = False):
+        self.w = param(rngs, (d_in, d_out), axes, fan_in=d_in)
+        self.b = param(rngs, (d_out,), axes[1:], init="zeros") if bias else None
+
+    def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
+        y = matmul(x, as_param(self.w[...], policy), policy)
+        if self.b is not None:
+            y = y + as_compute(as_param(self.b[...], policy), policy)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a learned scale."""
+
+    def __init__(self, dim: int, eps: float, axis_name: str = "norm", *, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), (axis_name,), init="ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
+        return rms_norm(x, self.scale[...], policy, self.eps)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [vocab, d_model]; `attend` uses it as the tied LM head."""
+
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs):
+        self.table = param(rngs, (vocab, dim), ("vocab", "embed"), std=1.0)
+
+    def __call__(self, tokens: jax.Array, policy: NumericPolicy) -> jax.Array:
+        return as_compute(as_param(self.table[...], policy)[tokens], policy)
+
+    def attend(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
+        """Logits against the embedding table (tied LM head), in the policy's logits dtype."""
+        return matmul(x, as_param(self.table[...], policy).T, policy, out_dtype=policy.logits_dtype)
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU MLP: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs):
+        self.gate = Linear(d_model, hidden, ("embed", "mlp"), rngs=rngs)
+        self.up = Linear(d_model, hidden, ("embed", "mlp"), rngs=rngs)
+        self.down = Linear(hidden, d_model, ("mlp", "embed"), rngs=rngs)
+
+    def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x, policy)) * self.up(x, policy), policy)

@@ -1,0 +1,98 @@
+"""Routed MoE block: router (softmax top-k or sigmoid group-limited), replay, dispatch, combine, shared experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jaxalign.model.config import ModelConfig
+from jaxalign.model.layers import DenseMLP, Linear, param
+from jaxalign.numerics import NumericPolicy, as_param, dtype
+from jaxalign.numerics.experts import combine, dispatch
+from jaxalign.numerics.matmul import matmul
+from jaxalign.numerics.reduce import reduce_sum, softmax
+
+
+def _group_limited(select: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """DeepSeek-V3 group limiting: keep the `topk_groups` groups with the largest sum of their top-2 scores;
+    other experts' selection scores become 0 (as transformers does)."""
+    n = select.shape[0]
+    grouped = select.reshape(n, cfg.n_groups, cfg.n_experts // cfg.n_groups)
+    group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)
+    _, top_groups = lax.top_k(group_scores, cfg.topk_groups)
+    keep = jnp.zeros((n, cfg.n_groups), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+    keep = jnp.repeat(keep, cfg.n_experts // cfg.n_groups, axis=1)
+    return jnp.where(keep, select, jnp.zeros_like(select))
+
+
+def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelConfig, policy: NumericPolicy,
+          replay: jax.Array | None = None):
+    """Choose experts for x [N, D].
+
+    Returns (idx [N, k] int32 in top-k slot order, weights [N, k] float, margin [N] float). With `replay`
+    [N, k], a token whose row has no -1 uses the replayed indices; its gate weights are gathered from this
+    pass's dense scores and then normalised as the family does, so router gradients flow.
+    """
+    logits = matmul(x, as_param(router_w, policy), policy, operand_dtype=policy.router_logits_dtype,
+                    out_dtype=policy.router_logits_dtype)
+    if cfg.router == "softmax_topk":
+        scores = softmax(logits, policy, policy.router_softmax_dtype)
+        select = scores
+    else:
+        scores = jax.nn.sigmoid(logits.astype(dtype(policy.router_softmax_dtype)))
+        select = _group_limited(scores + as_param(bias, policy).astype(scores.dtype), cfg)
+    select = lax.stop_gradient(select)
+    k = cfg.top_k
+    top_vals, native_idx = lax.top_k(select, min(k + 1, cfg.n_experts))
+    margin = (top_vals[:, k - 1] - top_vals[:, k]).astype(jnp.float32) if k < cfg.n_experts else \
+        jnp.full((x.shape[0],), jnp.inf, jnp.float32)
+    idx = native_idx[:, :k].astype(jnp.int32)
+    if replay is not None:
+        replay = replay.astype(jnp.int32)
+        use_replay = jnp.all(replay >= 0, axis=-1, keepdims=True)
+        idx = jnp.where(use_replay, jnp.clip(replay, 0, cfg.n_experts - 1), idx)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if cfg.norm_topk_prob:
+        denom = reduce_sum(weights, policy, axis=-1, keepdims=True)
+        if cfg.router == "sigmoid_grouped":
+            denom = denom + jnp.asarray(1e-20, weights.dtype)
+        weights = weights / denom
+    if cfg.router == "sigmoid_grouped":
+        weights = weights * jnp.asarray(cfg.routed_scaling_factor, weights.dtype)
+    return idx, weights, margin
+
+
+class MoE(nnx.Module):
+    """Routed experts (SwiGLU, stacked [E, ...]) plus optional shared experts."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_dim
+        self.router = param(rngs, (d, e), ("embed", "expert_scores"), fan_in=d)
+        self.selection_bias = (param(rngs, (e,), ("expert_scores",), init="zeros")
+                               if cfg.router == "sigmoid_grouped" else None)
+        self.w_gate = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), fan_in=d)
+        self.w_up = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), fan_in=d)
+        self.w_down = param(rngs, (e, f, d), ("expert", "expert_mlp", "embed"), fan_in=f)
+        self.shared = DenseMLP(d, cfg.shared_expert_dim, rngs=rngs) if cfg.shared_expert_dim > 0 else None
+        self.shared_gate = Linear(d, 1, ("embed", "unsharded"), rngs=rngs) if cfg.shared_expert_gate else None
+
+    def __call__(self, x: jax.Array, policy: NumericPolicy, replay: jax.Array | None = None):
+        """x [B, S, D]; replay [B, S, k] or None. Returns (out [B, S, D], (idx, weights, margin) per token)."""
+        b, s, d = x.shape
+        flat = x.reshape(b * s, d)
+        bias = self.selection_bias[...] if self.selection_bias is not None else None
+        idx, weights, margin = route(flat, self.router[...], bias, self.cfg, policy,
+                                     None if replay is None else replay.reshape(b * s, -1))
+        y, kept = dispatch(flat, idx, as_param(self.w_gate[...], policy), as_param(self.w_up[...], policy),
+                           as_param(self.w_down[...], policy), policy)
+        out = combine(y, idx, jnp.where(kept, weights, jnp.zeros_like(weights)), self.cfg.n_experts, policy)
+        if self.shared is not None:
+            shared = self.shared(flat, policy)
+            if self.shared_gate is not None:
+                shared = jax.nn.sigmoid(self.shared_gate(flat, policy)) * shared
+            out = out + shared
+        routing = (idx.reshape(b, s, -1), weights.astype(jnp.float32).reshape(b, s, -1), margin.reshape(b, s))
+        return out.reshape(b, s, d), routing

@@ -1,0 +1,59 @@
+"""Trainer-side scoring: per-token logprobs of given sequences under a policy."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxalign.align.replay import RoutingRecord
+from jaxalign.model.transformer import Transformer, check_tokens
+from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics.sampling import check_sampling, sampling_logprobs
+
+
+def sequence_logprobs(model: Transformer, tokens: jax.Array, policy: NumericPolicy, *, replay=None,
+                      temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """Traceable core of `token_logprobs` (use inside jit/grad): (logprobs [B, S-1], RoutingRecord)."""
+    logits, record = model(tokens, policy=policy, replay=replay)
+    lp = sampling_logprobs(logits[:, :-1], policy, temperature, top_k, top_p)
+    return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], record
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "temperature", "top_k", "top_p"))
+def _jitted(graphdef, state, tokens, replay, *, policy, temperature, top_k, top_p):
+    return sequence_logprobs(nnx.merge(graphdef, state), tokens, policy, replay=replay,
+                             temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def token_logprobs(model: Transformer, tokens, policy: NumericPolicy, *,
+                   replay: RoutingRecord | jax.Array | None = None, temperature: float = 1.0,
+                   top_k: int | None = None, top_p: float | None = None) -> tuple[jax.Array, RoutingRecord]:
+    """Logprob of each next token, [batch, seq-1], and the routing record of the forward pass.
+
+    `tokens[:, t+1]` is scored given `tokens[:, :t+1]`, under the same distribution the engine samples from
+    (see `jaxalign.numerics.sampling`). Compiled once per (model structure, policy, sampling params, shape).
+    """
+    if not isinstance(policy, NumericPolicy):
+        raise ValueError(f"policy must be a NumericPolicy, got {type(policy).__name__}; "
+                         f"use NumericPolicy.preset(name) or NumericPolicy.parse(text)")
+    check_sampling(temperature, top_k, top_p)
+    arr = check_tokens(tokens, model.config)
+    if arr.shape[1] < 2:
+        raise ValueError(f"tokens need at least 2 positions to score a next token, got length {arr.shape[1]}")
+    replay_idx = replay.indices if isinstance(replay, RoutingRecord) else replay
+    if replay_idx is not None:
+        cfg = model.config
+        expected = (arr.shape[0], arr.shape[1], cfg.n_moe_layers, cfg.top_k)
+        if tuple(np.shape(replay_idx)) != expected:
+            raise ValueError(f"replay indices have shape {tuple(np.shape(replay_idx))}; expected {expected} "
+                             f"= [batch, seq, moe_layers, k]")
+        if int(np.max(replay_idx)) >= cfg.n_experts:
+            raise ValueError(f"replay indices reach {int(np.max(replay_idx))}; allowed: -1..{cfg.n_experts - 1}")
+        replay_idx = jnp.asarray(replay_idx, jnp.int32)
+    graphdef, state = nnx.split(model)
+    return _jitted(graphdef, state, jnp.asarray(arr, jnp.int32), replay_idx, policy=policy,
+                   temperature=float(temperature), top_k=top_k, top_p=top_p)

@@ -1,0 +1,109 @@
+"""The Transformer: one Flax NNX definition, run under any NumericPolicy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxalign.align.replay import RoutingRecord
+from jaxalign.model.attention import Attention
+from jaxalign.model.config import ModelConfig
+from jaxalign.model.layers import DenseMLP, Embedding, Linear, RMSNorm
+from jaxalign.model.moe import MoE
+from jaxalign.numerics import NumericPolicy, as_param
+from jaxalign.numerics.matmul import matmul
+
+KV = tuple[jax.Array, jax.Array]
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: attention, then a routed MoE or a dense SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else DenseMLP(cfg.d_model, cfg.dense_mlp_dim, rngs=rngs)
+        self.is_moe = moe
+
+    def __call__(self, x, positions, policy, kv=None, replay=None):
+        h, kv = self.attn(self.attn_norm(x, policy), positions, policy, kv)
+        x = x + h
+        routing = None
+        if self.is_moe:
+            h, routing = self.mlp(self.mlp_norm(x, policy), policy, replay)
+        else:
+            h = self.mlp(self.mlp_norm(x, policy), policy)
+        return x + h, kv, routing
+
+
+def check_tokens(tokens, cfg: ModelConfig, name: str = "tokens") -> np.ndarray:
+    """Host-side validation: int ids [batch, seq] inside the vocabulary and within max_seq_len."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{name} must be a non-empty int array [batch, seq], got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    if arr.shape[1] > cfg.max_seq_len:
+        raise ValueError(f"{name} has length {arr.shape[1]} > max_seq_len = {cfg.max_seq_len}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        raise ValueError(f"{name} holds ids in [{lo}, {hi}]; allowed: 0..{cfg.vocab_size - 1} (vocab_size)")
+    return arr
+
+
+class Transformer(nnx.Module):
+    """Decoder-only MoE transformer with float32 master parameters tagged with logical axis names.
+
+    `model(tokens, policy=p)` -> (logits [B, S, V] in p.logits_dtype, RoutingRecord).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = Embedding(config.vocab_size, config.d_model, rngs=rngs)
+        moe_layers = set(config.moe_layers)
+        self.blocks = nnx.List([Block(config, i in moe_layers, rngs=rngs) for i in range(config.n_layers)])
+        self.final_norm = RMSNorm(config.d_model, config.rms_eps, "embed", rngs=rngs)
+        self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size,
+                                                                 ("embed", "vocab"), rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, *, policy: NumericPolicy, positions: jax.Array | None = None,
+                 replay: RoutingRecord | jax.Array | None = None) -> tuple[jax.Array, RoutingRecord]:
+        """Full (teacher-forced) forward. `replay`: a RoutingRecord or indices [B, S, moe_layers, k]."""
+        if not isinstance(tokens, jax.core.Tracer):
+            check_tokens(tokens, self.config)
+        logits, routing, _ = self.forward(tokens, policy, positions=positions, replay=replay)
+        return logits, routing
+
+    def forward(self, tokens, policy: NumericPolicy, *, positions=None, kv: list[KV] | None = None,
+                replay=None):
+        """Forward with an optional per-layer KV cache. Returns (logits, RoutingRecord, new kv or None)."""
+        cfg = self.config
+        b, s = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        replay_idx = replay.indices if isinstance(replay, RoutingRecord) else replay
+        if replay_idx is not None and tuple(replay_idx.shape) != (b, s, cfg.n_moe_layers, cfg.top_k):
+            raise ValueError(f"replay indices have shape {tuple(replay_idx.shape)}; expected "
+                             f"{(b, s, cfg.n_moe_layers, cfg.top_k)} = [batch, seq, moe_layers, k]")
+        x = self.embed(tokens, policy)
+        new_kv, records = [], []
+        for i, block in enumerate(self.blocks):
+            layer_replay = None
+            if block.is_moe and replay_idx is not None:
+                layer_replay = replay_idx[:, :, len(records)]
+            x, layer_kv, routing = block(x, positions, policy, None if kv is None else kv[i], layer_replay)
+            new_kv.append(layer_kv)
+            if routing is not None:
+                records.append(routing)
+        x = self.final_norm(x, policy)
+        if self.lm_head is None:
+            logits = self.embed.attend(x, policy)
+        else:
+            logits = matmul(x, as_param(self.lm_head.w[...], policy), policy, out_dtype=policy.logits_dtype)
+        record = RoutingRecord(indices=jnp.stack([r[0] for r in records], axis=2),
+                               weights=jnp.stack([r[1] for r in records], axis=2),
+                               margins=jnp.stack([r[2] for r in records], axis=2))
+        return logits, record, (None if kv is None else new_kv)

@@ -1,0 +1,117 @@
+"""Rotary embeddings and attention under a NumericPolicy.
+
+Keys live at slot = position (the engine's cache is laid out that way for every request), and a key is visible
+to a query when its position is <= the query's. Masked scores are -inf, so they contribute exact zeros; with
+`reduction="tree"` this makes a row's result independent of how many masked slots follow it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxalign.numerics.policy import NumericPolicy
+from jaxalign.numerics.dtypes import dtype
+from jaxalign.numerics.reduce import reduce_sum, tree_sum
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy) -> jax.Array:
+    """Rotate-half RoPE on x [B, S, H, D] at integer positions [B, S]; rotation in `rope_dtype`.
+
+    cos/sin are computed in float32 (as transformers does) and cast to `rope_dtype` before the rotation.
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    rdt = dtype(policy.rope_dtype)
+    cos, sin = jnp.cos(emb).astype(rdt), jnp.sin(emb).astype(rdt)
+    xr = x.astype(rdt)
+    rotated = jnp.concatenate([-xr[..., d // 2:], xr[..., : d // 2]], axis=-1)
+    return (xr * cos + rotated * sin).astype(dtype(policy.compute_dtype))
+
+
+def _scores(q: jax.Array, k: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """q [B, Q, KVH, G, D] . k [B, K, KVH, D] -> [B, KVH, G, Q, K] in float32 accumulation."""
+    if policy.reduction == "tree":
+        prod = q.astype(jnp.float32)[:, None, :, :, :, :] * k.astype(jnp.float32)[:, :, None, :, None, :]
+        # prod: [B, K, Q, KVH, G, D] -> sum over D
+        return jnp.transpose(tree_sum(prod, axis=-1), (0, 3, 4, 2, 1))
+    return jnp.einsum("bqhgd,bkhd->bhgqk", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+
+
+def _weighted_values(p: jax.Array, v: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """p [B, KVH, G, Q, K] . v [B, K, KVH, D] -> [B, Q, KVH, G, D] in float32."""
+    if policy.reduction == "tree":
+        prod = p.astype(jnp.float32)[..., None] * jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))[:, :, None, None]
+        return jnp.transpose(tree_sum(prod, axis=-2), (0, 3, 1, 2, 4))
+    return jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(p.dtype), preferred_element_type=jnp.float32)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+              policy: NumericPolicy) -> jax.Array:
+    """Causal GQA attention.
+
+    q [B, Q, H, D] (compute dtype), k/v [B, K, KVH, D] (kv-cache dtype), q_pos [B, Q], k_pos [B, K] positions.
+    Returns [B, Q, H, D] in the compute dtype.
+    """
+    b, nq, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, nq, kvh, h // kvh, d)
+    visible = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None, None]  # [B, 1, 1, Q, K]
+    chunk = policy.attention_chunk
+    out = (_full(qg, k, v, visible, policy) if chunk is None
+           else _chunked(qg, k, v, visible, policy, chunk))
+    return out.reshape(b, nq, h, d).astype(dtype(policy.compute_dtype))
+
+
+def _masked_scores(qg, k, visible, policy):
+    sdt = dtype(policy.attn_softmax_dtype)
+    scale = jnp.asarray(qg.shape[-1] ** -0.5, sdt)
+    s = _scores(qg, k, policy).astype(sdt) * scale
+    return jnp.where(visible, s, jnp.asarray(-jnp.inf, sdt))
+
+
+def _full(qg, k, v, visible, policy):
+    """Softmax over all keys, normalised before the value product (as transformers' eager attention)."""
+    s = _masked_scores(qg, k, visible, policy)
+    m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    e = jnp.exp(s - m)
+    p = e / reduce_sum(e, policy, axis=-1, keepdims=True)
+    return _weighted_values(p.astype(dtype(policy.compute_dtype)), v, policy)
+
+
+def _chunked(qg, k, v, visible, policy, chunk):
+    """Online softmax over fixed chunks of `chunk` keys starting at slot 0 (flash / split-KV style)."""
+    sdt = dtype(policy.attn_softmax_dtype)
+    cdt = dtype(policy.compute_dtype)
+    b, nk = k.shape[:2]
+    pad = (-nk) % chunk
+    if pad:
+        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        visible = jnp.pad(visible, [(0, 0)] * 4 + [(0, pad)])
+    n_chunks = (nk + pad) // chunk
+    ks = jnp.moveaxis(k.reshape(b, n_chunks, chunk, *k.shape[2:]), 1, 0)
+    vs = jnp.moveaxis(v.reshape(b, n_chunks, chunk, *v.shape[2:]), 1, 0)
+    vis = jnp.moveaxis(visible.reshape(*visible.shape[:4], n_chunks, chunk), 4, 0)
+    bq = qg.shape[:1] + (qg.shape[2], qg.shape[3], qg.shape[1])  # [B, KVH, G, Q]
+
+    def step(carry, xs):
+        m, l, acc = carry
+        kc, vc, visc = xs
+        s = _masked_scores(qg, kc, visc, policy)
+        m_new = jnp.maximum(m, lax.stop_gradient(jnp.max(s, axis=-1)))
+        safe_m = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
+        corr = jnp.exp(m - safe_m)
+        p = jnp.exp(s - safe_m[..., None])
+        l = l * corr + reduce_sum(p, policy, axis=-1)
+        pv = _weighted_values(p.astype(cdt), vc, policy)  # [B, Q, KVH, G, D]
+        acc = acc * jnp.transpose(corr, (0, 3, 1, 2))[..., None].astype(jnp.float32) + pv
+        return (m_new, l, acc), None
+
+    init = (jnp.full(bq, -jnp.inf, sdt), jnp.zeros(bq, sdt),
+            jnp.zeros(qg.shape, jnp.float32))
+    (m, l, acc), _ = lax.scan(step, init, (ks, vs, vis))
+    return acc / jnp.transpose(l, (0, 3, 1, 2))[..., None].astype(jnp.float32)

@@ -1,0 +1,103 @@
+"""Expert dispatch and combine under a NumericPolicy.
+
+Dispatch decides which rows each expert's matmuls see (this changes the matmul shapes, hence XLA's bits, and
+with a capacity, which tokens are dropped). Combine decides the precision and order in which the k weighted
+expert outputs of a token are summed -- the seed's Qwen finding lives here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxalign.numerics.matmul import expert_matmul, grouped_matmul
+from jaxalign.numerics.policy import NumericPolicy
+from jaxalign.numerics.dtypes import dtype
+from jaxalign.numerics.reduce import reduce_sum
+
+
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def expert_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+               policy: NumericPolicy) -> jax.Array:
+    """SwiGLU experts on per-expert row blocks: x [E, R, H] -> [E, R, H] (compute dtype)."""
+    hidden = _swiglu(expert_matmul(x, w_gate, policy), expert_matmul(x, w_up, policy))
+    return expert_matmul(hidden, w_down, policy)
+
+
+def dispatch(x: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+             policy: NumericPolicy) -> tuple[jax.Array, jax.Array]:
+    """Run the selected experts for every token.
+
+    x [N, H], idx [N, k] expert ids. Returns (y [N, k, H] expert outputs in slot order, kept [N, k] bool);
+    dropped assignments (capacity dispatch) have y = 0 and kept = False.
+    """
+    n, k = idx.shape
+    num_experts = w_gate.shape[0]
+    if policy.dispatch == "dense":
+        y_all = expert_ffn(jnp.broadcast_to(x, (num_experts,) + x.shape), w_gate, w_up, w_down, policy)
+        y = jnp.take_along_axis(jnp.moveaxis(y_all, 0, 1), idx[..., None], axis=1)
+        return y, jnp.ones(idx.shape, bool)
+    if policy.dispatch == "sorted":
+        return _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy), jnp.ones(idx.shape, bool)
+    return _dispatch_capacity(x, idx, w_gate, w_up, w_down, policy)
+
+
+def _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy):
+    n, k = idx.shape
+    num_experts = w_gate.shape[0]
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = x[order // k]
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    hidden = _swiglu(grouped_matmul(rows, w_gate, sizes, policy), grouped_matmul(rows, w_up, sizes, policy))
+    y_sorted = grouped_matmul(hidden, w_down, sizes, policy)
+    return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
+
+
+def _dispatch_capacity(x, idx, w_gate, w_up, w_down, policy):
+    n, k = idx.shape
+    num_experts = w_gate.shape[0]
+    capacity = max(1, math.ceil(policy.capacity_factor * n * k / num_experts))
+    flat = idx.reshape(-1)  # priority: token order, then slot order
+    onehot = jax.nn.one_hot(flat, num_experts, dtype=jnp.int32)
+    slot_in_expert = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=-1) - 1
+    kept = slot_in_expert < capacity
+    target = jnp.where(kept, slot_in_expert, capacity)  # out of range -> dropped by mode="drop"
+    rows = jnp.repeat(x, k, axis=0)
+    buffer = jnp.zeros((num_experts, capacity, x.shape[-1]), x.dtype).at[flat, target].set(rows, mode="drop")
+    y_buf = expert_ffn(buffer, w_gate, w_up, w_down, policy)
+    y = y_buf[flat, jnp.minimum(target, capacity - 1)]
+    y = jnp.where(kept[:, None], y, jnp.zeros_like(y))
+    return y.reshape(n, k, -1), kept.reshape(n, k)
+
+
+def combine(y: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int,
+            policy: NumericPolicy) -> jax.Array:
+    """Weighted sum of the k expert outputs per token: y [N, k, H], idx/weights [N, k] -> [N, H] (compute dtype).
+
+    Each output is multiplied by its gate weight in `combine_weight_dtype` (as transformers multiplies in the
+    model dtype); the products are summed in `combine_acc_dtype`, in the order `combine_order` names.
+    """
+    acc = dtype(policy.combine_acc_dtype)
+    wdt = dtype(policy.combine_weight_dtype)
+    products = (y.astype(wdt) * weights.astype(wdt)[..., None]).astype(acc)  # [N, k, H]
+    if policy.combine_order == "slot":
+        out = products[:, 0]
+        for j in range(1, products.shape[1]):
+            out = out + products[:, j]
+    elif policy.combine_order == "expert":
+        def add_expert(e, out):
+            contribution = jnp.sum(jnp.where((idx == e)[..., None], products, jnp.zeros_like(products)), axis=1)
+            return out + contribution  # exactly one slot (or none) is non-zero
+        out = lax.fori_loop(0, num_experts, add_expert, jnp.zeros(products[:, 0].shape, acc))
+    else:  # dense: all experts, zeros for the unselected, one reduction
+        dense = jnp.zeros((y.shape[0], num_experts, y.shape[-1]), acc)
+        dense = dense.at[jnp.arange(y.shape[0])[:, None], idx].add(products)
+        out = reduce_sum(jnp.moveaxis(dense, 1, -1), policy, axis=-1)
+    return out.astype(dtype(policy.compute_dtype))

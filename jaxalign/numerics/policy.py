@@ -1,0 +1,229 @@
+"""NumericPolicy: every numeric decision the model makes, as one frozen, hashable value.
+
+A policy prints as a short string (`param=bf16,compute=bf16,...`) and parses back from it, so a policy can
+travel on a command line, in a checkpoint's metadata or in a routing record. `NumericPolicy.parse` also
+accepts a preset name, optionally followed by overrides: `"aligned-bf16,kernel=xla"`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from jax import lax
+
+DTYPES = ("f32", "bf16", "f16")
+_ACCUMULATIONS = ("f32", "bf16", "f16")
+_DOT_PRESETS = tuple(name for name in dir(lax.DotAlgorithmPreset) if not name.startswith("_"))
+
+
+def _positive_int_suffix(value: str, prefix: str) -> int | None:
+    if not value.startswith(prefix):
+        return None
+    try:
+        number = int(value[len(prefix):])
+    except ValueError:
+        return None
+    return number if number > 0 else None
+
+
+def _positive_float_suffix(value: str, prefix: str) -> float | None:
+    if not value.startswith(prefix):
+        return None
+    try:
+        number = float(value[len(prefix):])
+    except ValueError:
+        return None
+    return number if number > 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    key: str  # short name used in the policy string
+    allowed: str  # human-readable description of allowed values
+    check: Callable[[str], bool]
+    doc: str
+
+
+def _one_of(*values: str) -> Callable[[str], bool]:
+    return lambda v: v in values
+
+
+FIELDS: dict[str, _Field] = {
+    "param_dtype": _Field("param", "f32|bf16|f16", _one_of(*DTYPES),
+                          "dtype the weights are cast to before use (the engine casts once at load)"),
+    "compute_dtype": _Field("compute", "f32|bf16|f16", _one_of(*DTYPES),
+                            "dtype of activations between ops"),
+    "matmul_acc": _Field("matmul", "f32|bf16|f16|<lax.DotAlgorithmPreset name>",
+                         lambda v: v in _ACCUMULATIONS or v in _DOT_PRESETS,
+                         "matmul accumulation: f32 (preferred_element_type=f32), bf16/f16 (partial sums rounded "
+                         "every 16 products of the contraction, emulating low-precision accumulators), or a "
+                         "DotAlgorithmPreset passed to XLA as precision="),
+    "matmul_kernel": _Field("kernel", "xla|tiled:T (T a positive int)",
+                            lambda v: v == "xla" or _positive_int_suffix(v, "tiled:") is not None,
+                            "xla = whatever XLA emits; tiled:T = fixed [T, K] row tiles (batch invariant)"),
+    "reduction": _Field("reduce", "xla|tree", _one_of("xla", "tree"),
+                        "sums in norms, softmaxes and attention: xla's reduce, or a fixed halving tree that is "
+                        "invariant to batch shape and to zero padding"),
+    "norm_dtype": _Field("norm", "f32|bf16|f16", _one_of(*DTYPES), "dtype RMSNorm is computed in"),
+    "rope_dtype": _Field("rope", "f32|bf16|f16", _one_of(*DTYPES), "dtype of the RoPE rotation"),
+    "router_logits_dtype": _Field("router", "f32|bf16|f16", _one_of(*DTYPES),
+                                  "dtype of the router linear layer (inputs, weights, output)"),
+    "router_softmax_dtype": _Field("router_softmax", "f32|bf16|f16", _one_of(*DTYPES),
+                                   "dtype of the router softmax / sigmoid and top-k scores"),
+    "combine_weight_dtype": _Field("gate", "f32|bf16|f16", _one_of(*DTYPES),
+                                   "dtype of the gate weights and of their product with the expert outputs"),
+    "combine_acc_dtype": _Field("combine_acc", "f32|bf16|f16", _one_of(*DTYPES),
+                                "dtype the weighted expert outputs are multiplied and summed in"),
+    "combine_order": _Field("combine", "slot|expert|dense", _one_of("slot", "expert", "dense"),
+                            "slot = sum over the k slots in top-k order; expert = one expert at a time in id "
+                            "order (transformers eager); dense = reduce over all experts with zeros (MaxText dense)"),
+    "dispatch": _Field("dispatch", "dense|sorted|capacity:F (F a positive float)",
+                       lambda v: v in ("dense", "sorted") or _positive_float_suffix(v, "capacity:") is not None,
+                       "dense = every expert sees every token; sorted = argsort + grouped matmul; "
+                       "capacity:F = per-expert buffers of F*tokens*k/experts rows, overflow dropped"),
+    "attention": _Field("attn", "full|chunked:C (C a positive int)",
+                        lambda v: v == "full" or _positive_int_suffix(v, "chunked:") is not None,
+                        "full softmax over all keys, or online softmax over fixed chunks of C keys"),
+    "attn_softmax_dtype": _Field("attn_softmax", "f32|bf16|f16", _one_of(*DTYPES),
+                                 "dtype of attention scores and their softmax"),
+    "kv_cache_dtype": _Field("kv", "f32|bf16|f16", _one_of(*DTYPES),
+                             "dtype keys and values are stored in before attention reads them"),
+    "logits_dtype": _Field("logits", "f32|bf16|f16", _one_of(*DTYPES), "dtype of the LM-head output"),
+}
+_BY_KEY = {f.key: name for name, f in FIELDS.items()}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NumericPolicy:
+    """All numeric choices of one compiled program. Frozen and hashable: pass it as a static jit argument."""
+
+    param_dtype: str = "f32"
+    compute_dtype: str = "f32"
+    matmul_acc: str = "f32"
+    matmul_kernel: str = "xla"
+    reduction: str = "xla"
+    norm_dtype: str = "f32"
+    rope_dtype: str = "f32"
+    router_logits_dtype: str = "f32"
+    router_softmax_dtype: str = "f32"
+    combine_weight_dtype: str = "f32"
+    combine_acc_dtype: str = "f32"
+    combine_order: str = "slot"
+    dispatch: str = "dense"
+    attention: str = "full"
+    attn_softmax_dtype: str = "f32"
+    kv_cache_dtype: str = "f32"
+    logits_dtype: str = "f32"
+
+    def __post_init__(self) -> None:
+        for name, spec in FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, str) or not spec.check(value):
+                raise ValueError(f"NumericPolicy.{name} ({spec.key}) = {value!r} is not allowed; "
+                                 f"allowed: {spec.allowed}")
+        if self.matmul_acc in ("bf16", "f16") and self.matmul_acc != self.compute_dtype:
+            raise ValueError(f"NumericPolicy.matmul_acc = {self.matmul_acc!r} accumulates below the compute dtype "
+                             f"{self.compute_dtype!r}; allowed: f32, a DotAlgorithmPreset, or the compute dtype")
+        if self.dispatch == "sorted" and self.matmul_kernel != "xla":
+            raise ValueError(f"NumericPolicy.dispatch = 'sorted' uses a grouped matmul that has no tiled variant; "
+                             f"with matmul_kernel = {self.matmul_kernel!r} use dispatch 'dense' or 'capacity:F'")
+
+    # --- derived properties the numerics modules read -----------------------------------------------------
+    @property
+    def tile_rows(self) -> int | None:
+        """Row-tile size of the tiled matmul kernel, or None for the xla kernel."""
+        return _positive_int_suffix(self.matmul_kernel, "tiled:")
+
+    @property
+    def attention_chunk(self) -> int | None:
+        """KV chunk size of chunked attention, or None for full attention."""
+        return _positive_int_suffix(self.attention, "chunked:")
+
+    @property
+    def capacity_factor(self) -> float | None:
+        """Capacity factor of token-dropping dispatch, or None."""
+        return _positive_float_suffix(self.dispatch, "capacity:")
+
+    # --- string form -------------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return ",".join(f"{spec.key}={getattr(self, name)}" for name, spec in FIELDS.items())
+
+    @classmethod
+    def parse(cls, text: str) -> "NumericPolicy":
+        """Parse `key=value,...`, optionally led by a preset name, e.g. `aligned-bf16,kernel=xla`.
+
+        Unnamed fields take the preset's value (or the `fp32` defaults when no preset leads).
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"policy string must be a non-empty string, got {text!r}; "
+                             f"use a preset ({', '.join(PRESETS)}) or key=value pairs")
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        base: dict[str, Any] = {}
+        if "=" not in parts[0]:
+            base = dataclasses.asdict(cls.preset(parts[0]))
+            parts = parts[1:]
+        seen = set()
+        for part in parts:
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep:
+                raise ValueError(f"policy item {part!r} is not key=value (only the first item may be a preset name)")
+            name = _BY_KEY.get(key, key if key in FIELDS else None)
+            if name is None:
+                raise ValueError(f"unknown policy key {key!r}; allowed keys: {', '.join(f.key for f in FIELDS.values())}")
+            if name in seen:
+                raise ValueError(f"policy key {key!r} given twice in {text!r}")
+            seen.add(name)
+            base[name] = value.strip()
+        return cls(**base)
+
+    @classmethod
+    def preset(cls, name: str) -> "NumericPolicy":
+        """A named preset; see `PRESETS` and `docs/policies.md`."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown policy preset {name!r}; allowed: {', '.join(PRESETS)}")
+        return PRESETS[name]
+
+    def replace(self, **changes: Any) -> "NumericPolicy":
+        """A copy with some fields changed (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def diff(self, other: "NumericPolicy") -> list[tuple[str, str, str]]:
+        """Fields where the two policies differ, as (field, self's value, other's value)."""
+        return [(name, getattr(self, name), getattr(other, name))
+                for name in FIELDS if getattr(self, name) != getattr(other, name)]
+
+    def to_dict(self) -> dict[str, str]:
+        """Field name -> value."""
+        return dataclasses.asdict(self)
+
+
+def _bf16_compute(**overrides: str) -> NumericPolicy:
+    return NumericPolicy(param_dtype="bf16", compute_dtype="bf16", kv_cache_dtype="bf16", **overrides)
+
+
+PRESETS: dict[str, NumericPolicy] = {
+    # The reference: float32 everywhere, XLA's kernels.
+    "fp32": NumericPolicy(),
+    # A typical mixed-precision trainer: bf16 matmuls over f32 masters, f32 norms/router/softmax/logits,
+    # sorted (grouped-matmul) expert dispatch, f32 combine.
+    "train-bf16": _bf16_compute(dispatch="sorted"),
+    # A fast serving engine: bf16 router and gate weights, bf16 combine, flash-decoding style chunked attention,
+    # bf16 logits.
+    "serve-bf16": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
+                                combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16"),
+    # Used on both sides: batch-invariant kernels (fixed row tiles, halving-tree reductions) so engine and
+    # trainer logprobs are bitwise identical, while matmuls stay bf16.
+    "aligned-bf16": _bf16_compute(matmul_kernel="tiled:8", reduction="tree"),
+    # Both sides in float16 (Qi et al. 2025); f32 norms, router, softmax and logits.
+    "fp16": NumericPolicy(param_dtype="f16", compute_dtype="f16", kv_cache_dtype="f16"),
+    # transformers' eager expert loop: RoPE rotation in bf16, router linear in bf16, weights cast back to bf16, one expert at a time,
+    # index_add_ in bf16.
+    "hf-eager-bf16": _bf16_compute(rope_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
+                                   combine_acc_dtype="bf16", combine_order="expert", logits_dtype="bf16"),
+    # transformers' grouped_mm path: same router and bf16 products, summed over the top-k slots in float32 and
+    # cast once.
+    "hf-grouped-bf16": _bf16_compute(rope_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
+                                     combine_acc_dtype="f32", combine_order="slot", logits_dtype="bf16"),
+}

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny models built once per session."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxalign import ModelConfig, Transformer
+
+FAMILY_PRESETS = ("tiny", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe")
+
+
+@functools.lru_cache(maxsize=None)
+def build_model(preset: str, seed: int = 0) -> Transformer:
+    """A model from a preset, built once per (preset, seed) for the whole session."""
+    model = Transformer(ModelConfig.preset(preset), rngs=nnx.Rngs(seed))
+    if model.config.router == "sigmoid_grouped":
+        # a non-zero selection bias, so tests see it change the selection but not the weights
+        bias = np.random.default_rng(seed).normal(0, 0.05, model.config.n_experts)
+        for block in model.blocks:
+            if block.is_moe:
+                block.mlp.selection_bias[...] = bias.astype(np.float32)
+    return model
+
+
+def random_tokens(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> np.ndarray:
+    """Uniform random token ids [batch, seq]."""
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Transformer:
+    return build_model("tiny")
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
+def _logits(graphdef, state, tokens, replay, policy):
+    logits, record = nnx.merge(graphdef, state)(tokens, policy=policy, replay=replay)
+    return logits, record
+
+
+def forward_logits(model: Transformer, tokens, policy, replay=None):
+    """Jitted (logits, RoutingRecord); compiled once per (model structure, policy, shapes)."""
+    graphdef, state = nnx.split(model)
+    return _logits(graphdef, state, jnp.asarray(tokens), replay, policy)

@@ -1,0 +1,141 @@
+"""An independent float64 NumPy forward of the jaxalign Transformer, written from the architecture description
+(not from the JAX code), used as the numeric reference in tests."""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+
+def params_f64(model) -> dict:
+    """The model's parameters as a nested dict of float64 numpy arrays."""
+    state = nnx.state(model, nnx.Param)
+    return _to_numpy(nnx.to_pure_dict(state))
+
+
+def _to_numpy(tree):
+    if isinstance(tree, dict):
+        return {k: _to_numpy(v) for k, v in tree.items()}
+    return np.asarray(tree, np.float64)
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x, pos, theta):
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = pos[..., None].astype(np.float64) * inv  # [B, S, d/2]
+    cos = np.cos(np.concatenate([ang, ang], -1))[:, :, None, :]
+    sin = np.sin(np.concatenate([ang, ang], -1))[:, :, None, :]
+    rot = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * cos + rot * sin
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _lin(p, x):
+    y = x @ p["w"]
+    return y + p["b"] if "b" in p and p["b"] is not None else y
+
+
+def _attention(p, cfg, x, pos):
+    b, s, _ = x.shape
+    q, k, v = _lin(p["q_proj"], x), _lin(p["k_proj"], x), _lin(p["v_proj"], x)
+    if cfg.qk_norm == "proj":
+        q, k = _rms(q, p["q_norm"]["scale"], cfg.rms_eps), _rms(k, p["k_norm"]["scale"], cfg.rms_eps)
+    q = q.reshape(b, s, cfg.n_heads, cfg.head_dim)
+    k = k.reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+    v = v.reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.qk_norm == "head":
+        q, k = _rms(q, p["q_norm"]["scale"], cfg.rms_eps), _rms(k, p["k_norm"]["scale"], cfg.rms_eps)
+    q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
+    rep = cfg.n_heads // cfg.n_kv_heads
+    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(cfg.head_dim)
+    causal = np.tril(np.ones((s, s), bool))
+    scores = np.where(causal, scores, -np.inf)
+    scores = scores - scores.max(-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, -1)
+    return _lin(p["o_proj"], out)
+
+
+def _mlp(p, x):
+    return _lin(p["down"], _silu(_lin(p["gate"], x)) * _lin(p["up"], x))
+
+
+def _route(p, cfg, x, replay):
+    logits = x @ p["router"]
+    n = x.shape[0]
+    if cfg.router == "softmax_topk":
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = e / e.sum(-1, keepdims=True)
+        select = scores
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+        select = scores + p["selection_bias"]
+        per = cfg.n_experts // cfg.n_groups
+        grouped = select.reshape(n, cfg.n_groups, per)
+        gscore = np.sort(grouped, -1)[..., -2:].sum(-1)
+        top_groups = np.argsort(-gscore, -1, kind="stable")[:, : cfg.topk_groups]
+        keep = np.zeros((n, cfg.n_groups), bool)
+        np.put_along_axis(keep, top_groups, True, axis=1)
+        select = np.where(np.repeat(keep, per, axis=1), select, 0.0)
+    idx = np.argsort(-select, -1, kind="stable")[:, : cfg.top_k]
+    if replay is not None:
+        use = np.all(replay >= 0, -1, keepdims=True)
+        idx = np.where(use, replay, idx)
+    w = np.take_along_axis(scores, idx, -1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + (1e-20 if cfg.router == "sigmoid_grouped" else 0.0))
+    if cfg.router == "sigmoid_grouped":
+        w = w * cfg.routed_scaling_factor
+    return idx, w
+
+
+def _moe(p, cfg, x, replay):
+    b, s, d = x.shape
+    flat = x.reshape(-1, d)
+    idx, w = _route(p, cfg, flat, None if replay is None else replay.reshape(b * s, -1))
+    out = np.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        for j in range(cfg.top_k):
+            e = idx[n, j]
+            h = _silu(flat[n] @ p["w_gate"][e]) * (flat[n] @ p["w_up"][e])
+            out[n] += w[n, j] * (h @ p["w_down"][e])
+    if "shared" in p and p["shared"] is not None:
+        shared = _mlp(p["shared"], flat)
+        if "shared_gate" in p and p["shared_gate"] is not None:
+            shared = shared / (1.0 + np.exp(-_lin(p["shared_gate"], flat)))
+        out = out + shared
+    return out.reshape(b, s, d), idx.reshape(b, s, -1)
+
+
+def forward(model, tokens, replay=None):
+    """float64 logits [B, S, V] and expert indices [B, S, moe_layers, k]. `replay`: indices or None."""
+    cfg = model.config
+    p = params_f64(model)
+    tokens = np.asarray(tokens)
+    b, s = tokens.shape
+    pos = np.broadcast_to(np.arange(s), (b, s))
+    x = p["embed"]["table"][tokens]
+    routes = []
+    for i in range(cfg.n_layers):
+        bp = p["blocks"][i]
+        x = x + _attention(bp["attn"], cfg, _rms(x, bp["attn_norm"]["scale"], cfg.rms_eps), pos)
+        h = _rms(x, bp["mlp_norm"]["scale"], cfg.rms_eps)
+        if i in cfg.moe_layers:
+            layer_replay = None if replay is None else np.asarray(replay)[:, :, len(routes)]
+            h, idx = _moe(bp["mlp"], cfg, h, layer_replay)
+            routes.append(idx)
+        else:
+            h = _mlp(bp["mlp"], h)
+        x = x + h
+    x = _rms(x, p["final_norm"]["scale"], cfg.rms_eps)
+    logits = x @ (p["embed"]["table"].T if cfg.tie_embeddings else p["lm_head"]["w"])
+    return logits, np.stack(routes, axis=2)

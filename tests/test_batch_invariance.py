@@ -1,0 +1,57 @@
+"""Batch invariance: the tiled matmul and the whole aligned-bf16 forward give bitwise-identical per-row results
+whatever the batch size and the row's position; XLA's own kernel does not on this CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics.matmul import matmul
+
+from conftest import build_model, forward_logits, random_tokens
+
+ALIGNED = NumericPolicy.preset("aligned-bf16")
+
+
+def _rows_by_batch(policy, rng_seed=0, k=64, n=96):
+    rng = np.random.default_rng(rng_seed)
+    x = jnp.asarray(rng.standard_normal((32, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    f = jax.jit(lambda a: matmul(a, w, policy, out_dtype="f32"))
+    alone = np.stack([np.asarray(f(x[i:i + 1]))[0] for i in range(32)])
+    results = {}
+    for batch in range(1, 33):
+        results[batch] = np.asarray(f(x[:batch]))
+    shuffled = np.random.default_rng(1).permutation(32)
+    results["shuffled"] = np.asarray(f(x[shuffled]))[np.argsort(shuffled)]
+    return alone, results
+
+
+@pytest.mark.parametrize("policy", [ALIGNED, ALIGNED.replace(matmul_kernel="tiled:4"),
+                                    NumericPolicy.parse("fp32,kernel=tiled:8")], ids=str)
+def test_tiled_matmul_is_batch_and_position_invariant(policy):
+    alone, results = _rows_by_batch(policy)
+    for batch, rows in results.items():
+        expected = alone if batch == "shuffled" else alone[:batch]
+        np.testing.assert_array_equal(rows, expected, err_msg=f"batch {batch}")
+
+
+def test_xla_matmul_is_not_batch_invariant_on_this_cpu():
+    """Documents the problem the tiled kernel solves: XLA:CPU's dot gives other bits for the same row when it
+    is multiplied together with other rows (see benchmarks/batch_invariance.py for the full table)."""
+    alone, results = _rows_by_batch(NumericPolicy.preset("train-bf16"))
+    differing = [b for b, rows in results.items() if b != "shuffled" and not np.array_equal(rows, alone[:b])]
+    assert differing, "XLA's kernel happened to be batch invariant here; the tiled kernel is then not needed"
+
+
+def test_aligned_forward_is_batch_and_position_invariant():
+    model = build_model("tiny")
+    pool = random_tokens(model.config, 32, 16, seed=4)
+    alone = np.stack([np.asarray(forward_logits(model, pool[i:i + 1], ALIGNED)[0])[0] for i in range(32)])
+    for batch in (2, 3, 5, 8, 13, 32):
+        got = np.asarray(forward_logits(model, pool[:batch], ALIGNED)[0])
+        np.testing.assert_array_equal(got, alone[:batch], err_msg=f"batch {batch}")
+    order = np.random.default_rng(5).permutation(32)
+    got = np.asarray(forward_logits(model, pool[order], ALIGNED)[0])[np.argsort(order)]
+    np.testing.assert_array_equal(got, alone)

@@ -1,0 +1,60 @@
+"""The `jaxalign` command, run as a user runs it (a subprocess of the installed console script)."""
+
+import json
+import subprocess
+
+import pytest
+
+from jaxalign.numerics import FIELDS, PRESETS
+
+
+def _run(*args, check=True):
+    proc = subprocess.run(["jaxalign", *args], capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_policies_json_lists_every_preset_with_every_field():
+    data = json.loads(_run("policies", "--json").stdout)
+    assert set(data) == set(PRESETS)
+    for name, fields in data.items():
+        assert set(FIELDS) <= set(fields)
+        assert fields["string"] == str(PRESETS[name])
+
+
+def test_policies_table_and_help():
+    out = _run("policies").stdout
+    assert "aligned-bf16" in out and "combine_acc" in out
+    assert "compare" in _run("--help").stdout
+    assert "--engine-batch" in _run("compare", "--help").stdout
+
+
+def test_compare_json_reports_each_batch():
+    out = _run("compare", "--model", "tiny", "--trainer", "aligned-bf16", "--engine", "aligned-bf16",
+               "--prompts", "4", "--max-new-tokens", "4", "--engine-batch", "1,4", "--json").stdout
+    data = json.loads(out)
+    assert [r["engine_batch"] for r in data["runs"]] == [1, 4]
+    for run in data["runs"]:
+        assert run["max_abs_logp_diff"] == 0.0 and run["route_flip_rate"] == 0.0 and run["k3_kl"] == 0.0
+        for key in ("kl", "chi2_token", "chi2_seq", "training_ppl", "rollout_ppl", "log_ppl_abs_diff",
+                    "ppl_ratio", "extreme_frac_tau2", "bitwise_equal_fraction", "route_token_any_flip"):
+            assert key in run
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("compare", "--trainer", "compute=fp8"), "compute"),
+    (("compare", "--model", "huge"), "allowed: tiny"),
+    (("compare", "--engine-batch", "0"), "positive ints"),
+])
+def test_bad_arguments_explain_themselves(args, needle):
+    proc = _run(*args, check=False)
+    assert proc.returncode != 0 and needle in proc.stderr
+
+
+def test_demo_quick_runs():
+    data = json.loads(_run("demo", "--quick", "--json").stdout)
+    aligned = [r for res in data["results"] if res["arm"] == "aligned" for r in res["runs"]]
+    misaligned = [r for res in data["results"] if res["arm"] == "misaligned" for r in res["runs"]]
+    assert aligned and all(r["max_abs_logp_diff"] == 0.0 for r in aligned)
+    assert misaligned and all(r["k3_kl"] > 0 for r in misaligned)

@@ -1,0 +1,162 @@
+"""The rollout engine: correctness against the teacher-forced forward, sampling statistics, batch/slot
+invariance under the aligned policy, compile reuse, bad input."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import jaxalign as ja
+from jaxalign.engine import compile_count
+from jaxalign.engine.kernels import _sample
+
+from conftest import build_model, forward_logits
+
+FP32 = ja.NumericPolicy.preset("fp32")
+ALIGNED = ja.NumericPolicy.preset("aligned-bf16")
+
+
+def _prompts(n, seed=0, lo=3, hi=12, vocab=64):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, int(rng.integers(lo, hi))).astype(np.int32) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny")
+
+
+def test_greedy_equals_teacher_forced_argmax(model):
+    rollout = ja.generate(model, _prompts(6), FP32, max_new_tokens=10, temperature=0.0)
+    logits = np.asarray(forward_logits(model, rollout.tokens, FP32)[0])
+    for i in range(len(rollout)):
+        p, g = rollout.prompt_lens[i], rollout.completion_lens[i]
+        assert g == 10 and rollout.finish_reasons[i] == "length"
+        expected = logits[i, p - 1: p - 1 + g].argmax(-1)
+        np.testing.assert_array_equal(rollout.completion(i), expected)
+
+
+@pytest.mark.parametrize("policy_name", ["fp32", "serve-bf16"])
+def test_engine_logprobs_match_full_forward(model, policy_name):
+    policy = ja.NumericPolicy.preset(policy_name)
+    rollout = ja.generate(model, _prompts(5, seed=1), policy, max_new_tokens=8, temperature=0.8, top_p=0.9,
+                          seed=2)
+    lp, record = ja.token_logprobs(model, rollout.tokens, policy, temperature=0.8, top_p=0.9)
+    diff = np.abs(np.asarray(lp) - rollout.logprobs)[rollout.mask]
+    tol = 1e-5 if policy_name == "fp32" else 5e-2  # serve-bf16 is batch variant: prefill/decode shapes differ
+    assert diff.max() <= tol
+    assert rollout.mask.sum() == rollout.completion_lens.sum()
+
+
+def test_routing_record_covers_forwarded_tokens(model):
+    rollout = ja.generate(model, _prompts(4, seed=3), FP32, max_new_tokens=6, temperature=0.0)
+    _, record = ja.token_logprobs(model, rollout.tokens, FP32)
+    forwarded = rollout.routing.indices[..., 0, 0] >= 0
+    expected = np.arange(rollout.tokens.shape[1])[None] < (rollout.prompt_lens + rollout.completion_lens - 1)[:, None]
+    np.testing.assert_array_equal(forwarded, expected)
+    np.testing.assert_array_equal(rollout.routing.indices[forwarded], np.asarray(record.indices)[forwarded])
+
+
+def _draws(logits, n, **kw):
+    rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
+    tokens, _ = _sample(rows, jnp.arange(n, dtype=jnp.int32), jnp.full((n,), 5, jnp.int32), jnp.int32(7), FP32,
+                        kw.get("temperature", 1.0), kw.get("top_k"), kw.get("top_p"))
+    return np.bincount(np.asarray(tokens), minlength=len(logits))
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(temperature=1.0), None),
+    (dict(temperature=0.5), None),
+    (dict(temperature=1.0, top_k=3), [0, 1, 2]),
+    (dict(temperature=1.0, top_p=0.7), None),
+])
+def test_sampling_frequencies_pass_chi_square(kw, expected):
+    logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]))
+    scaled = logits / kw["temperature"]
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if kw.get("top_k"):
+        keep = np.zeros(6, bool)
+        keep[expected] = True
+        probs = np.where(keep, probs, 0)
+    if kw.get("top_p"):
+        order = np.argsort(-probs)
+        before = np.cumsum(probs[order]) - probs[order]
+        keep = np.zeros(6, bool)
+        keep[order[before < kw["top_p"]]] = True
+        probs = np.where(keep, probs, 0)
+    probs /= probs.sum()
+    n = 20000
+    counts = _draws(logits, n, **kw)
+    support = probs > 0
+    assert counts[~support].sum() == 0  # filtered tokens are never drawn
+    chi2, pvalue = stats.chisquare(counts[support], n * probs[support])
+    assert pvalue > 1e-3, (counts, n * probs)
+
+
+def test_aligned_request_is_invariant_to_batch_and_slot(model):
+    prompts = _prompts(32, seed=4)
+    kw = dict(max_new_tokens=8, temperature=1.0, seed=11, eos_id=1)
+    alone = [ja.generate(model, [prompts[i]], ALIGNED, request_ids=[i], **kw) for i in (0, 5, 31)]
+    runs = [ja.generate(model, prompts, ALIGNED, batch_size=8, **kw),
+            ja.generate(model, prompts, ALIGNED, batch_size=32, **kw),
+            ja.generate(model, prompts, ALIGNED, batch_size=5, schedule="continuous", **kw),
+            ja.generate(model, prompts, ALIGNED, batch_size=8, prefill_chunk=4, **kw)]
+    assert runs[2].stats["compiles"] <= 1
+    for run in runs:
+        for j, i in enumerate((0, 5, 31)):
+            np.testing.assert_array_equal(run.completion(i), alone[j].completion(0))
+            np.testing.assert_array_equal(run.completion_logprobs(i), alone[j].completion_logprobs(0))
+    for run in runs[1:]:
+        np.testing.assert_array_equal(run.tokens, runs[0].tokens)
+        np.testing.assert_array_equal(run.logprobs, runs[0].logprobs)
+        np.testing.assert_array_equal(run.routing.indices, runs[0].routing.indices)
+
+
+def test_eos_and_continuous_refills(model):
+    prompts = _prompts(12, seed=5)
+    # eos = a token the greedy model produces early for some prompts
+    first = ja.generate(model, prompts, FP32, max_new_tokens=6, temperature=0.0)
+    eos = int(first.completion(0)[2])
+    r = ja.generate(model, prompts, FP32, max_new_tokens=6, temperature=0.0, eos_id=eos, schedule="continuous",
+                    batch_size=3)
+    assert r.finish_reasons[0] == "eos" and r.completion_lens[0] == 3
+    for i in range(len(r)):
+        c = r.completion(i)
+        assert (r.finish_reasons[i] == "eos") == (c[-1] == eos and len(c) <= 6)
+        assert eos not in c[:-1]
+        np.testing.assert_array_equal(c, first.completion(i)[: len(c)])
+
+
+def test_no_recompile_at_same_shapes(model):
+    kw = dict(max_new_tokens=5, temperature=1.0, batch_size=4)
+    ja.generate(model, _prompts(8, seed=6), FP32, **kw)
+    before = compile_count()
+    r = ja.generate(model, _prompts(8, seed=7), FP32, seed=3, **kw)  # same buckets, other data and seed
+    assert compile_count() == before and r.stats["compiles"] == 0
+
+
+def test_kv_cache_dtype_follows_policy(model):
+    engine32, engine16 = ja.Engine(model, FP32), ja.Engine(model, ALIGNED)
+    assert engine32.kv_cache_bytes(4, 32) == 2 * engine16.kv_cache_bytes(4, 32)
+    import jax
+    assert {str(x.dtype) for x in jax.tree.leaves(engine16.state)} == {"bfloat16"}
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(prompts=[[]]), "empty"),
+    (dict(prompts=[[1, 2, 99]]), "allowed: 0..63"),
+    (dict(prompts=[list(range(60))]), "cache"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.1), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(schedule="dynamic"), "static, continuous"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(prompts=[]), "non-empty"),
+])
+def test_bad_input_refused(model, kw, needle):
+    args = dict(prompts=[[1, 2, 3]], max_new_tokens=8)
+    args.update(kw)
+    with pytest.raises(ValueError, match=needle):
+        ja.generate(model, args.pop("prompts"), FP32, **args)

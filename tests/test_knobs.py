@@ -1,0 +1,52 @@
+"""A knob test for every NumericPolicy field: flipping it changes the logits for some input, flipping it back
+restores them bitwise."""
+
+import numpy as np
+import pytest
+
+from jaxalign.numerics import FIELDS, NumericPolicy
+
+from conftest import build_model, forward_logits, random_tokens
+
+# (field, base policy, flipped value). The base is chosen so that the field is live (e.g. matmul accumulation
+# in bf16 needs a bf16 compute dtype; combine order needs a low-precision accumulator to show).
+KNOBS = [
+    ("param_dtype", "fp32", "bf16"),
+    ("compute_dtype", "fp32", "bf16"),
+    ("matmul_acc", "train-bf16", "bf16"),
+    ("matmul_kernel", "fp32", "tiled:8"),
+    ("reduction", "fp32", "tree"),
+    ("norm_dtype", "train-bf16", "bf16"),
+    ("rope_dtype", "train-bf16", "bf16"),
+    ("router_logits_dtype", "fp32", "bf16"),
+    ("router_softmax_dtype", "fp32", "bf16"),
+    ("combine_weight_dtype", "fp32", "bf16"),
+    ("combine_acc_dtype", "fp32", "bf16"),
+    ("combine_order", "hf-eager-bf16", "slot"),
+    ("combine_order", "serve-bf16", "dense"),
+    ("dispatch", "fp32", "sorted"),
+    ("dispatch", "fp32", "capacity:0.5"),
+    ("attention", "fp32", "chunked:4"),
+    ("attn_softmax_dtype", "fp32", "bf16"),
+    ("kv_cache_dtype", "fp32", "bf16"),
+    ("logits_dtype", "fp32", "bf16"),
+]
+
+
+def test_every_field_has_a_knob():
+    assert {field for field, _, _ in KNOBS} == set(FIELDS)
+
+
+@pytest.mark.parametrize("field, base_name, value", KNOBS, ids=[f"{f}={v}" for f, _, v in KNOBS])
+def test_knob_changes_numbers_and_restores(field, base_name, value):
+    model = build_model("tiny")
+    tokens = random_tokens(model.config, 4, 32, seed=3)
+    base = NumericPolicy.preset(base_name)
+    flipped = base.replace(**{field: value})
+    assert base.diff(flipped) == [(field, getattr(base, field), value)]
+    before = np.asarray(forward_logits(model, tokens, base)[0])
+    after = np.asarray(forward_logits(model, tokens, flipped)[0])
+    restored = np.asarray(forward_logits(model, tokens, NumericPolicy.parse(str(flipped)).replace(
+        **{field: getattr(base, field)}))[0])
+    assert not np.array_equal(before, after), f"{field}: {getattr(base, field)} -> {value} changed nothing"
+    np.testing.assert_array_equal(before, restored)
