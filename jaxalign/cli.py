@@ -72,6 +72,29 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_localize(args) -> int:
+    from jaxalign.align.localize import localize
+    result = localize(build_model(args.model, args.model_seed), args.trainer, args.engine, n_prompts=args.prompts,
+                      max_new_tokens=args.max_new_tokens, seed=args.seed, replay=args.replay)
+    if args.json:
+        print(report.to_json(result))
+        return 0
+    base = result["baseline"]
+    print(f"trainer: {result['trainer']}\nengine:  {result['engine']}")
+    print(f"full gap (teacher-forced, {result['n_tokens']} tokens): k3 {report.fmt(base['k3_kl'])}, "
+          f"max |dlogp| {report.fmt(base['max_abs_logp_diff'])}, route flips {report.fmt(base['route_flip_rate'])}")
+    print("\nfields, ranked (k3 with only this field switched to the engine's value; k3 removed by switching "
+          "only it back):")
+    print(report.table(result["fields"], ["field", "trainer", "engine", "k3_alone", "k3_removed", "score"]))
+    print("\nparts, ranked (k3 drop when the part joins the trainer's policy, in model order):")
+    print(report.table(result["parts"], ["part", "contribution", "k3_after_joining_trainer"]))
+    print("\nmodule swap (one module kind taken from the trainer's policy in every layer):")
+    print(report.table(result["modules"], ["module", "reduction", "k3_with_module_from_trainer",
+                                            "route_flip_rate"]))
+    print(f"\nlargest contributor: {result['culprit']}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from jaxalign.demo import run_demo
     return run_demo(json_out=args.json, quick=args.quick)
@@ -107,6 +130,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
     p.add_argument("--json", action="store_true", help="one JSON object with all metrics per engine batch size")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("localize", help="rank the policy fields, layers and modules that carry the gap")
+    p.add_argument("--model", type=_model_preset, default="small", help="model preset (default small)")
+    p.add_argument("--model-seed", type=int, default=0, help="parameter init seed")
+    p.add_argument("--trainer", type=_policy, default=PRESETS["train-bf16"], help="trainer policy (A)")
+    p.add_argument("--engine", type=_policy, default=PRESETS["serve-bf16"], help="engine policy (B)")
+    p.add_argument("--replay", choices=("none", "r3"), default="none", help="router replay on the trainer side")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=cmd_localize)
     return parser
 
 

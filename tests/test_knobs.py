@@ -50,3 +50,21 @@ def test_knob_changes_numbers_and_restores(field, base_name, value):
         **{field: getattr(base, field)}))[0])
     assert not np.array_equal(before, after), f"{field}: {getattr(base, field)} -> {value} changed nothing"
     np.testing.assert_array_equal(before, restored)
+
+
+def test_narrowing_casts_survive_xla_cpu_fusion():
+    """XLA:CPU's XNNPACK fusions fold an f32 -> bf16 -> f32 convert pair inside a fused dot + softmax for
+    large enough shapes (512 rows here), which made a bf16 router silently run in f32. `numerics.cast` rounds
+    with `lax.reduce_precision`, which those rewrites keep; this pins the behaviour."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxalign.model.moe import route
+
+    model = build_model("small")
+    router = model.blocks[0].mlp.router[...]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((512, model.config.d_model)), jnp.bfloat16)
+    f32_router = NumericPolicy.preset("train-bf16")
+    bf16_router = f32_router.replace(router_logits_dtype="bf16")
+    fn = jax.jit(lambda x, p: route(x, router, None, model.config, p)[1], static_argnums=1)
+    assert np.abs(np.asarray(fn(x, f32_router)) - np.asarray(fn(x, bf16_router))).max() > 1e-4

@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import Linear, RMSNorm
-from jaxalign.numerics import NumericPolicy, dtype
+from jaxalign.numerics import NumericPolicy, cast
 from jaxalign.numerics.attention import attention, rope
 
 
@@ -46,15 +46,14 @@ class Attention(nnx.Module):
         if cfg.qk_norm == "head":
             q, k = self.q_norm(q, policy), self.k_norm(k, policy)
         q = rope(q, positions, cfg.rope_theta, policy)
-        kv_dtype = dtype(policy.kv_cache_dtype)
-        k = rope(k, positions, cfg.rope_theta, policy).astype(kv_dtype)
-        v = v.astype(kv_dtype)
+        k = cast(rope(k, positions, cfg.rope_theta, policy), policy.kv_cache_dtype)
+        v = cast(v, policy.kv_cache_dtype)
         if kv is None:
             keys, values, k_pos, new_kv = k, v, positions, None
         else:
             rows = jnp.arange(b)[:, None]
-            keys = kv[0].at[rows, positions].set(k.astype(kv[0].dtype), mode="drop")
-            values = kv[1].at[rows, positions].set(v.astype(kv[1].dtype), mode="drop")
+            keys = kv[0].at[rows, positions].set(k, mode="drop")
+            values = kv[1].at[rows, positions].set(v, mode="drop")
             k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
             new_kv = (keys, values)
         out = attention(q, keys, values, positions, k_pos, policy)

@@ -9,7 +9,7 @@ from jax import lax
 
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Linear, param
-from jaxalign.numerics import NumericPolicy, as_param, dtype
+from jaxalign.numerics import NumericPolicy, as_param, cast
 from jaxalign.numerics.experts import combine, dispatch
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.reduce import reduce_sum, softmax
@@ -41,8 +41,8 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
         scores = softmax(logits, policy, policy.router_softmax_dtype)
         select = scores
     else:
-        scores = jax.nn.sigmoid(logits.astype(dtype(policy.router_softmax_dtype)))
-        select = _group_limited(scores + as_param(bias, policy).astype(scores.dtype), cfg)
+        scores = jax.nn.sigmoid(cast(logits, policy.router_softmax_dtype))
+        select = _group_limited(scores + cast(as_param(bias, policy), policy.router_softmax_dtype), cfg)
     select = lax.stop_gradient(select)
     k = cfg.top_k
     top_vals, native_idx = lax.top_k(select, min(k + 1, cfg.n_experts))

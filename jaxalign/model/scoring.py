@@ -13,13 +13,14 @@ from jaxalign.align.replay import RoutingRecord
 from jaxalign.model.transformer import Transformer, check_tokens
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.sampling import check_sampling, sampling_logprobs
+from jaxalign.numerics.schedule import PolicySchedule, policy_for
 
 
 def sequence_logprobs(model: Transformer, tokens: jax.Array, policy: NumericPolicy, *, replay=None,
                       temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
     """Traceable core of `token_logprobs` (use inside jit/grad): (logprobs [B, S-1], RoutingRecord)."""
     logits, record = model(tokens, policy=policy, replay=replay)
-    lp = sampling_logprobs(logits[:, :-1], policy, temperature, top_k, top_p)
+    lp = sampling_logprobs(logits[:, :-1], policy_for(policy, "head"), temperature, top_k, top_p)
     return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], record
 
 
@@ -29,7 +30,7 @@ def _jitted(graphdef, state, tokens, replay, *, policy, temperature, top_k, top_
                              temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def token_logprobs(model: Transformer, tokens, policy: NumericPolicy, *,
+def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, *,
                    replay: RoutingRecord | jax.Array | None = None, temperature: float = 1.0,
                    top_k: int | None = None, top_p: float | None = None) -> tuple[jax.Array, RoutingRecord]:
     """Logprob of each next token, [batch, seq-1], and the routing record of the forward pass.
@@ -37,8 +38,8 @@ def token_logprobs(model: Transformer, tokens, policy: NumericPolicy, *,
     `tokens[:, t+1]` is scored given `tokens[:, :t+1]`, under the same distribution the engine samples from
     (see `jaxalign.numerics.sampling`). Compiled once per (model structure, policy, sampling params, shape).
     """
-    if not isinstance(policy, NumericPolicy):
-        raise ValueError(f"policy must be a NumericPolicy, got {type(policy).__name__}; "
+    if not isinstance(policy, (NumericPolicy, PolicySchedule)):
+        raise ValueError(f"policy must be a NumericPolicy (or PolicySchedule), got {type(policy).__name__}; "
                          f"use NumericPolicy.preset(name) or NumericPolicy.parse(text)")
     check_sampling(temperature, top_k, top_p)
     arr = check_tokens(tokens, model.config)

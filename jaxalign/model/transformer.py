@@ -12,7 +12,8 @@ from jaxalign.model.attention import Attention
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Embedding, Linear, RMSNorm
 from jaxalign.model.moe import MoE
-from jaxalign.numerics import NumericPolicy, as_param
+from jaxalign.numerics import NumericPolicy, as_compute, as_param
+from jaxalign.numerics.schedule import PolicySchedule, policy_for
 from jaxalign.numerics.matmul import matmul
 
 KV = tuple[jax.Array, jax.Array]
@@ -28,14 +29,16 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if moe else DenseMLP(cfg.d_model, cfg.dense_mlp_dim, rngs=rngs)
         self.is_moe = moe
 
-    def __call__(self, x, positions, policy, kv=None, replay=None):
-        h, kv = self.attn(self.attn_norm(x, policy), positions, policy, kv)
+    def __call__(self, x, positions, policy, kv=None, replay=None, layer: int = 0):
+        attn_policy, mlp_policy = policy_for(policy, "attn", layer), policy_for(policy, "mlp", layer)
+        x = as_compute(x, attn_policy)  # a no-op unless a PolicySchedule changes dtype between parts
+        h, kv = self.attn(self.attn_norm(x, attn_policy), positions, attn_policy, kv)
         x = x + h
         routing = None
         if self.is_moe:
-            h, routing = self.mlp(self.mlp_norm(x, policy), policy, replay)
+            h, routing = self.mlp(self.mlp_norm(x, mlp_policy), mlp_policy, replay)
         else:
-            h = self.mlp(self.mlp_norm(x, policy), policy)
+            h = self.mlp(self.mlp_norm(x, mlp_policy), mlp_policy)
         return x + h, kv, routing
 
 
@@ -69,9 +72,11 @@ class Transformer(nnx.Module):
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size,
                                                                  ("embed", "vocab"), rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, *, policy: NumericPolicy, positions: jax.Array | None = None,
+    def __call__(self, tokens: jax.Array, *, policy: NumericPolicy | PolicySchedule,
+                 positions: jax.Array | None = None,
                  replay: RoutingRecord | jax.Array | None = None) -> tuple[jax.Array, RoutingRecord]:
-        """Full (teacher-forced) forward. `replay`: a RoutingRecord or indices [B, S, moe_layers, k]."""
+        """Full (teacher-forced) forward. `replay`: a RoutingRecord or indices [B, S, moe_layers, k].
+        `policy` may be a PolicySchedule giving parts of the model other policies."""
         if not isinstance(tokens, jax.core.Tracer):
             check_tokens(tokens, self.config)
         logits, routing, _ = self.forward(tokens, policy, positions=positions, replay=replay)
@@ -88,21 +93,23 @@ class Transformer(nnx.Module):
         if replay_idx is not None and tuple(replay_idx.shape) != (b, s, cfg.n_moe_layers, cfg.top_k):
             raise ValueError(f"replay indices have shape {tuple(replay_idx.shape)}; expected "
                              f"{(b, s, cfg.n_moe_layers, cfg.top_k)} = [batch, seq, moe_layers, k]")
-        x = self.embed(tokens, policy)
+        x = self.embed(tokens, policy_for(policy, "embed"))
         new_kv, records = [], []
         for i, block in enumerate(self.blocks):
             layer_replay = None
             if block.is_moe and replay_idx is not None:
                 layer_replay = replay_idx[:, :, len(records)]
-            x, layer_kv, routing = block(x, positions, policy, None if kv is None else kv[i], layer_replay)
+            layer_kv = None if kv is None else kv[i]
+            x, layer_kv, routing = block(x, positions, policy, layer_kv, layer_replay, layer=i)
             new_kv.append(layer_kv)
             if routing is not None:
                 records.append(routing)
-        x = self.final_norm(x, policy)
+        head = policy_for(policy, "head")
+        x = self.final_norm(x, head)
         if self.lm_head is None:
-            logits = self.embed.attend(x, policy)
+            logits = self.embed.attend(x, head)
         else:
-            logits = matmul(x, as_param(self.lm_head.w[...], policy), policy, out_dtype=policy.logits_dtype)
+            logits = matmul(x, as_param(self.lm_head.w[...], head), head, out_dtype=head.logits_dtype)
         record = RoutingRecord(indices=jnp.stack([r[0] for r in records], axis=2),
                                weights=jnp.stack([r[1] for r in records], axis=2),
                                margins=jnp.stack([r[2] for r in records], axis=2))

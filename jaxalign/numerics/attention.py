@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxalign.numerics.policy import NumericPolicy
-from jaxalign.numerics.dtypes import dtype
+from jaxalign.numerics.dtypes import as_compute, cast, dtype
 from jaxalign.numerics.reduce import reduce_sum, tree_sum
 
 
@@ -25,11 +25,10 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    rdt = dtype(policy.rope_dtype)
-    cos, sin = jnp.cos(emb).astype(rdt), jnp.sin(emb).astype(rdt)
-    xr = x.astype(rdt)
+    cos, sin = cast(jnp.cos(emb), policy.rope_dtype), cast(jnp.sin(emb), policy.rope_dtype)
+    xr = cast(x, policy.rope_dtype)
     rotated = jnp.concatenate([-xr[..., d // 2:], xr[..., : d // 2]], axis=-1)
-    return (xr * cos + rotated * sin).astype(dtype(policy.compute_dtype))
+    return as_compute(xr * cos + rotated * sin, policy)
 
 
 def _scores(q: jax.Array, k: jax.Array, policy: NumericPolicy) -> jax.Array:
@@ -63,13 +62,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     chunk = policy.attention_chunk
     out = (_full(qg, k, v, visible, policy) if chunk is None
            else _chunked(qg, k, v, visible, policy, chunk))
-    return out.reshape(b, nq, h, d).astype(dtype(policy.compute_dtype))
+    return as_compute(out.reshape(b, nq, h, d), policy)
 
 
 def _masked_scores(qg, k, visible, policy):
     sdt = dtype(policy.attn_softmax_dtype)
     scale = jnp.asarray(qg.shape[-1] ** -0.5, sdt)
-    s = _scores(qg, k, policy).astype(sdt) * scale
+    s = cast(_scores(qg, k, policy), policy.attn_softmax_dtype) * scale
     return jnp.where(visible, s, jnp.asarray(-jnp.inf, sdt))
 
 
@@ -79,13 +78,12 @@ def _full(qg, k, v, visible, policy):
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     e = jnp.exp(s - m)
     p = e / reduce_sum(e, policy, axis=-1, keepdims=True)
-    return _weighted_values(p.astype(dtype(policy.compute_dtype)), v, policy)
+    return _weighted_values(as_compute(p, policy), v, policy)
 
 
 def _chunked(qg, k, v, visible, policy, chunk):
     """Online softmax over fixed chunks of `chunk` keys starting at slot 0 (flash / split-KV style)."""
     sdt = dtype(policy.attn_softmax_dtype)
-    cdt = dtype(policy.compute_dtype)
     b, nk = k.shape[:2]
     pad = (-nk) % chunk
     if pad:
@@ -107,7 +105,7 @@ def _chunked(qg, k, v, visible, policy, chunk):
         corr = jnp.exp(m - safe_m)
         p = jnp.exp(s - safe_m[..., None])
         l = l * corr + reduce_sum(p, policy, axis=-1)
-        pv = _weighted_values(p.astype(cdt), vc, policy)  # [B, Q, KVH, G, D]
+        pv = _weighted_values(as_compute(p, policy), vc, policy)  # [B, Q, KVH, G, D]
         acc = acc * jnp.transpose(corr, (0, 3, 1, 2))[..., None].astype(jnp.float32) + pv
         return (m_new, l, acc), None
 

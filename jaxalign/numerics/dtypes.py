@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxalign.numerics.policy import NumericPolicy
 
@@ -15,17 +16,32 @@ def dtype(name: str) -> jnp.dtype:
     return _DTYPES[name]
 
 
+def cast(x: jax.Array, name: str) -> jax.Array:
+    """Cast to a policy dtype, rounding for real when the target is narrower.
+
+    A bare narrowing `astype` can be elided by XLA:CPU: its XNNPACK ("ynn") fusions fold a convert pair
+    f32 -> bf16 -> f32 inside a fused dot/softmax, so a bf16 router silently ran in f32 for some shapes. An
+    explicit `lax.reduce_precision` is an op those rewrites keep, so the rounding the policy asks for happens.
+    """
+    target = dtype(name)
+    if (jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target
+            and jnp.finfo(x.dtype).bits > jnp.finfo(target).bits):
+        info = jnp.finfo(target)
+        x = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return x.astype(target)
+
+
 def as_param(x: jax.Array, policy: NumericPolicy) -> jax.Array:
     """A weight as the policy stores it (a no-op once the engine has cast its copy of the weights)."""
-    return x.astype(dtype(policy.param_dtype))
+    return cast(x, policy.param_dtype)
 
 
 def as_compute(x: jax.Array, policy: NumericPolicy) -> jax.Array:
     """An activation (or a weight used elementwise) in the compute dtype."""
-    return x.astype(dtype(policy.compute_dtype))
+    return cast(x, policy.compute_dtype)
 
 
 def cast_params(state, policy: NumericPolicy):
     """Cast every floating leaf of a parameter pytree to the policy's param dtype (done once, at weight sync)."""
-    target = dtype(policy.param_dtype)
-    return jax.tree.map(lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+    return jax.tree.map(lambda x: cast(x, policy.param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        state)

@@ -15,7 +15,7 @@ from jax import lax
 
 from jaxalign.numerics.matmul import expert_matmul, grouped_matmul
 from jaxalign.numerics.policy import NumericPolicy
-from jaxalign.numerics.dtypes import dtype
+from jaxalign.numerics.dtypes import cast, dtype
 from jaxalign.numerics.reduce import reduce_sum
 
 
@@ -85,8 +85,8 @@ def combine(y: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int,
     model dtype); the products are summed in `combine_acc_dtype`, in the order `combine_order` names.
     """
     acc = dtype(policy.combine_acc_dtype)
-    wdt = dtype(policy.combine_weight_dtype)
-    products = (y.astype(wdt) * weights.astype(wdt)[..., None]).astype(acc)  # [N, k, H]
+    wdt = policy.combine_weight_dtype
+    products = cast(cast(y, wdt) * cast(weights, wdt)[..., None], policy.combine_acc_dtype)  # [N, k, H]
     if policy.combine_order == "slot":
         out = products[:, 0]
         for j in range(1, products.shape[1]):
@@ -100,4 +100,4 @@ def combine(y: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int,
         dense = jnp.zeros((y.shape[0], num_experts, y.shape[-1]), acc)
         dense = dense.at[jnp.arange(y.shape[0])[:, None], idx].add(products)
         out = reduce_sum(jnp.moveaxis(dense, 1, -1), policy, axis=-1)
-    return out.astype(dtype(policy.compute_dtype))
+    return cast(out, policy.compute_dtype)

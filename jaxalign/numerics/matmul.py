@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxalign.numerics.policy import NumericPolicy
-from jaxalign.numerics.dtypes import dtype
+from jaxalign.numerics.dtypes import cast
 
 ACC_CHUNK = 16
 
@@ -34,12 +34,11 @@ def _dot(a: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:
     """a [M, K] @ b [K, N] with the policy's accumulation; the result is float32 (or the low accumulation dtype)."""
     if policy.matmul_acc not in ("bf16", "f16"):
         return _dot_f32(a, b, policy)
-    acc_dtype = dtype(policy.matmul_acc)
     k = a.shape[-1]
     total = None
     for start in range(0, k, ACC_CHUNK):
-        part = jnp.dot(a[:, start:start + ACC_CHUNK], b[start:start + ACC_CHUNK],
-                       preferred_element_type=jnp.float32).astype(acc_dtype)
+        part = cast(jnp.dot(a[:, start:start + ACC_CHUNK], b[start:start + ACC_CHUNK],
+                            preferred_element_type=jnp.float32), policy.matmul_acc)
         total = part if total is None else total + part
     return total
 
@@ -63,11 +62,10 @@ def matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy, *, operand_dtype: 
     Operands are cast to `operand_dtype` (default: the compute dtype), accumulated as the policy says and the
     result cast to `out_dtype` (default: the compute dtype).
     """
-    op = dtype(operand_dtype or policy.compute_dtype)
-    out = dtype(out_dtype or policy.compute_dtype)
+    op = operand_dtype or policy.compute_dtype
     lead = x.shape[:-1]
-    y = _rows(x.reshape(-1, x.shape[-1]).astype(op), w.astype(op), policy)
-    return y.reshape(lead + (w.shape[-1],)).astype(out)
+    y = _rows(cast(x.reshape(-1, x.shape[-1]), op), cast(w, op), policy)
+    return cast(y.reshape(lead + (w.shape[-1],)), out_dtype or policy.compute_dtype)
 
 
 def expert_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
@@ -79,16 +77,14 @@ def expert_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Arra
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
     """Rows sorted by expert: x [R, K], w [E, K, N], group_sizes [E] -> [R, N] (lax.ragged_dot)."""
-    cdt = dtype(policy.compute_dtype)
-    x = x.astype(cdt)
-    w = w.astype(cdt)
+    x = cast(x, policy.compute_dtype)
+    w = cast(w, policy.compute_dtype)
     if policy.matmul_acc not in ("bf16", "f16"):
         y = lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
     else:
-        acc_dtype = dtype(policy.matmul_acc)
         y = None
         for start in range(0, x.shape[-1], ACC_CHUNK):
-            part = lax.ragged_dot(x[:, start:start + ACC_CHUNK], w[:, start:start + ACC_CHUNK], group_sizes,
-                                  preferred_element_type=jnp.float32).astype(acc_dtype)
+            part = cast(lax.ragged_dot(x[:, start:start + ACC_CHUNK], w[:, start:start + ACC_CHUNK], group_sizes,
+                                       preferred_element_type=jnp.float32), policy.matmul_acc)
             y = part if y is None else y + part
-    return y.astype(cdt)
+    return cast(y, policy.compute_dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxalign.numerics.dtypes import as_compute, as_param, dtype
+from jaxalign.numerics.dtypes import as_compute, as_param, cast
 from jaxalign.numerics.policy import NumericPolicy
 
 
@@ -41,7 +41,7 @@ def reduce_sum(x: jax.Array, policy: NumericPolicy, axis: int = -1, keepdims: bo
 
 def softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str, axis: int = -1) -> jax.Array:
     """Softmax computed in `dtype_name`; masked entries should be -inf."""
-    x = x.astype(dtype(dtype_name))
+    x = cast(x, dtype_name)
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     e = jnp.exp(shifted)
     return e / reduce_sum(e, policy, axis=axis, keepdims=True)
@@ -49,7 +49,7 @@ def softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str, axis: int = -1
 
 def log_softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str = "f32", axis: int = -1) -> jax.Array:
     """log-softmax computed in `dtype_name` (f32 by default, for logprobs)."""
-    x = x.astype(dtype(dtype_name))
+    x = cast(x, dtype_name)
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     return shifted - jnp.log(reduce_sum(jnp.exp(shifted), policy, axis=axis, keepdims=True))
 
@@ -57,8 +57,7 @@ def log_softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str = "f32", ax
 def rms_norm(x: jax.Array, weight: jax.Array, policy: NumericPolicy, eps: float) -> jax.Array:
     """RMSNorm over the last axis: normalised in `norm_dtype`, cast to the compute dtype, then times the weight
     (in the compute dtype, as transformers does)."""
-    cdt = dtype(policy.compute_dtype)
-    xn = x.astype(dtype(policy.norm_dtype))
+    xn = cast(x, policy.norm_dtype)
     mean_sq = reduce_sum(xn * xn, policy, axis=-1, keepdims=True) / xn.shape[-1]
     normed = xn * jax.lax.rsqrt(mean_sq + jnp.asarray(eps, xn.dtype))
-    return normed.astype(cdt) * as_compute(as_param(weight, policy), policy)
+    return as_compute(normed, policy) * as_compute(as_param(weight, policy), policy)
