@@ -32,19 +32,27 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy
 
 
 def _scores(q: jax.Array, k: jax.Array, policy: NumericPolicy) -> jax.Array:
-    """q [B, Q, KVH, G, D] . k [B, K, KVH, D] -> [B, KVH, G, Q, K] in float32 accumulation."""
+    """q [B, Q, KVH, G, D] . k [B, K, KVH, D] -> [B, KVH, G, Q, K] in float32 accumulation.
+
+    With `reduction="tree"` the head-dim contraction is a fixed sequential sum of elementwise products (one
+    fused loop, the same order for every query and key, whatever their number)."""
     if policy.reduction == "tree":
-        prod = q.astype(jnp.float32)[:, None, :, :, :, :] * k.astype(jnp.float32)[:, :, None, :, None, :]
-        # prod: [B, K, Q, KVH, G, D] -> sum over D
-        return jnp.transpose(tree_sum(prod, axis=-1), (0, 3, 4, 2, 1))
+        qf = jnp.transpose(q.astype(jnp.float32), (0, 2, 3, 1, 4))[:, :, :, :, None, :]  # [B, KVH, G, Q, 1, D]
+        kf = jnp.transpose(k.astype(jnp.float32), (0, 2, 1, 3))[:, :, None, None, :, :]  # [B, KVH, 1, 1, K, D]
+        total = qf[..., 0] * kf[..., 0]
+        for d in range(1, q.shape[-1]):
+            total = total + qf[..., d] * kf[..., d]
+        return total
     return jnp.einsum("bqhgd,bkhd->bhgqk", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
 
 
 def _weighted_values(p: jax.Array, v: jax.Array, policy: NumericPolicy) -> jax.Array:
-    """p [B, KVH, G, Q, K] . v [B, K, KVH, D] -> [B, Q, KVH, G, D] in float32."""
+    """p [B, KVH, G, Q, K] . v [B, K, KVH, D] -> [B, Q, KVH, G, D] in float32 (tree over keys when
+    `reduction="tree"`, so masked zero-weight keys past the end never change the bits)."""
     if policy.reduction == "tree":
-        prod = p.astype(jnp.float32)[..., None] * jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))[:, :, None, None]
-        return jnp.transpose(tree_sum(prod, axis=-2), (0, 3, 1, 2, 4))
+        vf = jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))[:, :, None, None]  # [B, KVH, 1, 1, K, D]
+        out = tree_sum(p.astype(jnp.float32)[..., None] * vf, axis=4)  # [B, KVH, G, Q, D]
+        return jnp.transpose(out, (0, 3, 1, 2, 4))
     return jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(p.dtype), preferred_element_type=jnp.float32)
 
 

@@ -18,18 +18,17 @@ from jaxalign.numerics.policy import NumericPolicy
 
 def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
     """Sum over `axis` with a fixed halving tree (batch- and padding-invariant; see module docstring)."""
-    x = jnp.moveaxis(x, axis, -1)
-    n = x.shape[-1]
+    axis = axis % x.ndim
+    n = x.shape[axis]
     width = 1 << max(0, (n - 1).bit_length())
     if width != n:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, width - n)
+        x = jnp.pad(x, pad)
     while width > 1:
         width //= 2
-        x = x[..., :width] + x[..., width:]
-    out = x[..., 0]
-    if keepdims:
-        out = jnp.expand_dims(out, axis if axis >= 0 else out.ndim + axis + 1)
-    return out
+        x = jax.lax.slice_in_dim(x, 0, width, axis=axis) + jax.lax.slice_in_dim(x, width, 2 * width, axis=axis)
+    return x if keepdims else jnp.squeeze(x, axis)
 
 
 def reduce_sum(x: jax.Array, policy: NumericPolicy, axis: int = -1, keepdims: bool = False) -> jax.Array:
