@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from jaxalign import ModelConfig, Transformer
+from jaxalign.model.scoring import forward
 
 FAMILY_PRESETS = ("tiny", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe")
 
@@ -38,13 +37,6 @@ def tiny_model() -> Transformer:
     return build_model("tiny")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
-def _logits(graphdef, state, tokens, replay, policy):
-    logits, record = nnx.merge(graphdef, state)(tokens, policy=policy, replay=replay)
-    return logits, record
-
-
 def forward_logits(model: Transformer, tokens, policy, replay=None):
     """Jitted (logits, RoutingRecord); compiled once per (model structure, policy, shapes)."""
-    graphdef, state = nnx.split(model)
-    return _logits(graphdef, state, jnp.asarray(tokens), replay, policy)
+    return forward(model, tokens, policy, replay=replay)

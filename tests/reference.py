@@ -23,7 +23,9 @@ def _rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x, pos, theta):
+def _rope(x, pos, theta, rotary_dim):
+    if rotary_dim < x.shape[-1]:
+        return np.concatenate([_rope(x[..., :rotary_dim], pos, theta, rotary_dim), x[..., rotary_dim:]], -1)
     d = x.shape[-1]
     inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     ang = pos[..., None].astype(np.float64) * inv  # [B, S, d/2]
@@ -52,7 +54,7 @@ def _attention(p, cfg, x, pos):
     v = v.reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
     if cfg.qk_norm == "head":
         q, k = _rms(q, p["q_norm"]["scale"], cfg.rms_eps), _rms(k, p["k_norm"]["scale"], cfg.rms_eps)
-    q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
+    q, k = _rope(q, pos, cfg.rope_theta, cfg.rotary_dim), _rope(k, pos, cfg.rope_theta, cfg.rotary_dim)
     rep = cfg.n_heads // cfg.n_kv_heads
     k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
     scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(cfg.head_dim)
@@ -85,7 +87,7 @@ def _route(p, cfg, x, replay):
         top_groups = np.argsort(-gscore, -1, kind="stable")[:, : cfg.topk_groups]
         keep = np.zeros((n, cfg.n_groups), bool)
         np.put_along_axis(keep, top_groups, True, axis=1)
-        select = np.where(np.repeat(keep, per, axis=1), select, 0.0)
+        select = np.where(np.repeat(keep, per, axis=1), select, -np.inf)
     idx = np.argsort(-select, -1, kind="stable")[:, : cfg.top_k]
     if replay is not None:
         use = np.all(replay >= 0, -1, keepdims=True)

@@ -27,6 +27,7 @@ KNOBS = [
     ("dispatch", "fp32", "sorted"),
     ("dispatch", "fp32", "capacity:0.5"),
     ("attention", "fp32", "chunked:4"),
+    ("attn_scores_dtype", "fp32", "bf16"),
     ("attn_softmax_dtype", "fp32", "bf16"),
     ("kv_cache_dtype", "fp32", "bf16"),
     ("logits_dtype", "fp32", "bf16"),

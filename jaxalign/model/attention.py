@@ -45,8 +45,8 @@ class Attention(nnx.Module):
         v = v.reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "head":
             q, k = self.q_norm(q, policy), self.k_norm(k, policy)
-        q = rope(q, positions, cfg.rope_theta, policy)
-        k = cast(rope(k, positions, cfg.rope_theta, policy), policy.kv_cache_dtype)
+        q = rope(q, positions, cfg.rope_theta, policy, cfg.rotary_dim)
+        k = cast(rope(k, positions, cfg.rope_theta, policy, cfg.rotary_dim), policy.kv_cache_dtype)
         v = cast(v, policy.kv_cache_dtype)
         if kv is None:
             keys, values, k_pos, new_kv = k, v, positions, None

@@ -45,6 +45,7 @@ class ModelConfig:
     first_k_dense: int = 0
     qk_norm: str = "none"
     rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
     tie_embeddings: bool = False
     max_seq_len: int = 256
     rms_eps: float = 1e-6
@@ -89,6 +90,9 @@ class ModelConfig:
                              f"n_layers = {self.n_layers}; allowed: 0..{self.n_layers - 1}")
         if (self.n_shared_experts > 0 or self.shared_expert_gate) and self.shared_expert_dim <= 0:
             raise ValueError("ModelConfig.shared_expert_dim must be > 0 when shared experts are used")
+        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ValueError(f"ModelConfig.partial_rotary_factor = {self.partial_rotary_factor}; allowed: (0, 1] "
+                             f"with head_dim * factor an even number")
         if self.rope_theta <= 0 or self.rms_eps <= 0:
             raise ValueError(f"ModelConfig.rope_theta = {self.rope_theta}, rms_eps = {self.rms_eps}; "
                              f"allowed: positive floats")
@@ -98,6 +102,11 @@ class ModelConfig:
     def moe_layers(self) -> tuple[int, ...]:
         """Indices of the layers with a routed MoE block (the others have a dense SwiGLU MLP)."""
         return tuple(range(self.first_k_dense, self.n_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (GLM-4.5 rotates half)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def n_moe_layers(self) -> int:
@@ -155,5 +164,6 @@ _PRESETS: dict[str, ModelConfig] = {
     "tiny-olmoe": ModelConfig(**_TINY, family="olmoe", qk_norm="proj", norm_topk_prob=False),
     "tiny-glm4-moe": ModelConfig(**{**_TINY, "n_layers": 3}, family="glm4_moe", router="sigmoid_grouped",
                                  n_groups=4, topk_groups=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-                                 n_shared_experts=1, shared_expert_dim=16, first_k_dense=1),
+                                 n_shared_experts=1, shared_expert_dim=16, first_k_dense=1,
+                                 partial_rotary_factor=0.5),
 }

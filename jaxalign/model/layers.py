@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxalign.numerics import NumericPolicy, as_compute, as_param
+from jaxalign.numerics.experts import swiglu
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.reduce import rms_norm
 
@@ -82,4 +83,4 @@ class DenseMLP(nnx.Module):
         self.down = Linear(hidden, d_model, ("mlp", "embed"), rngs=rngs)
 
     def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x, policy)) * self.up(x, policy), policy)
+        return self.down(swiglu(self.gate(x, policy), self.up(x, policy)), policy)

@@ -10,21 +10,21 @@ from jax import lax
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Linear, param
 from jaxalign.numerics import NumericPolicy, as_param, cast
-from jaxalign.numerics.experts import combine, dispatch
+from jaxalign.numerics.experts import combine, dispatch, sigmoid
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.reduce import reduce_sum, softmax
 
 
 def _group_limited(select: jax.Array, cfg: ModelConfig) -> jax.Array:
     """DeepSeek-V3 group limiting: keep the `topk_groups` groups with the largest sum of their top-2 scores;
-    other experts' selection scores become 0 (as transformers does)."""
+    other experts' selection scores become -inf (as transformers 5 does)."""
     n = select.shape[0]
     grouped = select.reshape(n, cfg.n_groups, cfg.n_experts // cfg.n_groups)
-    group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)
+    group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)  # sum of the top-2 scores of each group
     _, top_groups = lax.top_k(group_scores, cfg.topk_groups)
     keep = jnp.zeros((n, cfg.n_groups), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
     keep = jnp.repeat(keep, cfg.n_experts // cfg.n_groups, axis=1)
-    return jnp.where(keep, select, jnp.zeros_like(select))
+    return jnp.where(keep, select, jnp.full_like(select, -jnp.inf))
 
 
 def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelConfig, policy: NumericPolicy,
@@ -35,14 +35,16 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
     [N, k], a token whose row has no -1 uses the replayed indices; its gate weights are gathered from this
     pass's dense scores and then normalised as the family does, so router gradients flow.
     """
-    logits = matmul(x, as_param(router_w, policy), policy, operand_dtype=policy.router_logits_dtype,
+    # router parameters are stored in the router dtype (GLM-4.5 / DeepSeek-V3 keep them in f32 in a bf16 model)
+    logits = matmul(x, cast(router_w, policy.router_logits_dtype), policy, operand_dtype=policy.router_logits_dtype,
                     out_dtype=policy.router_logits_dtype)
     if cfg.router == "softmax_topk":
         scores = softmax(logits, policy, policy.router_softmax_dtype)
         select = scores
     else:
         scores = jax.nn.sigmoid(cast(logits, policy.router_softmax_dtype))
-        select = _group_limited(scores + cast(as_param(bias, policy), policy.router_softmax_dtype), cfg)
+        bias = cast(cast(bias, policy.router_logits_dtype), policy.router_softmax_dtype)
+        select = _group_limited(scores + bias, cfg)
     select = lax.stop_gradient(select)
     k = cfg.top_k
     top_vals, native_idx = lax.top_k(select, min(k + 1, cfg.n_experts))
@@ -92,7 +94,7 @@ class MoE(nnx.Module):
         if self.shared is not None:
             shared = self.shared(flat, policy)
             if self.shared_gate is not None:
-                shared = jax.nn.sigmoid(self.shared_gate(flat, policy)) * shared
+                shared = sigmoid(self.shared_gate(flat, policy)) * shared
             out = out + shared
         routing = (idx.reshape(b, s, -1), weights.astype(jnp.float32).reshape(b, s, -1), margin.reshape(b, s))
         return out.reshape(b, s, d), routing

@@ -24,6 +24,20 @@ def sequence_logprobs(model: Transformer, tokens: jax.Array, policy: NumericPoli
     return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], record
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
+def _forward(graphdef, state, tokens, replay, *, policy):
+    return nnx.merge(graphdef, state)(tokens, policy=policy, replay=replay)
+
+
+def forward(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, *, replay=None):
+    """Jitted full forward: (logits [B, S, V], RoutingRecord); compiled once per structure, policy and shape."""
+    arr = check_tokens(tokens, model.config)
+    graphdef, state = nnx.split(model)
+    replay_idx = replay.indices if isinstance(replay, RoutingRecord) else replay
+    return _forward(graphdef, state, jnp.asarray(arr, jnp.int32),
+                    None if replay_idx is None else jnp.asarray(replay_idx, jnp.int32), policy=policy)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy", "temperature", "top_k", "top_p"))
 def _jitted(graphdef, state, tokens, replay, *, policy, temperature, top_k, top_p):
     return sequence_logprobs(nnx.merge(graphdef, state), tokens, policy, replay=replay,

@@ -16,12 +16,17 @@ from jaxalign.numerics.dtypes import as_compute, cast, dtype
 from jaxalign.numerics.reduce import reduce_sum, tree_sum
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy) -> jax.Array:
-    """Rotate-half RoPE on x [B, S, H, D] at integer positions [B, S]; rotation in `rope_dtype`.
+def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy,
+         rotary_dim: int | None = None) -> jax.Array:
+    """Rotate-half RoPE on the first `rotary_dim` dims (default all) of x [B, S, H, D] at positions [B, S];
+    rotation in `rope_dtype`, the other dims pass through.
 
     cos/sin are computed in float32 (as transformers does) and cast to `rope_dtype` before the rotation.
     """
-    d = x.shape[-1]
+    d = rotary_dim or x.shape[-1]
+    if d < x.shape[-1]:
+        passed = as_compute(x[..., d:], policy)
+        return jnp.concatenate([rope(x[..., :d], positions, theta, policy), passed], axis=-1)
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
@@ -74,10 +79,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
 
 
 def _masked_scores(qg, k, visible, policy):
-    sdt = dtype(policy.attn_softmax_dtype)
-    scale = jnp.asarray(qg.shape[-1] ** -0.5, sdt)
-    s = cast(_scores(qg, k, policy), policy.attn_softmax_dtype) * scale
-    return jnp.where(visible, s, jnp.asarray(-jnp.inf, sdt))
+    """Scores rounded to `attn_scores_dtype`, times the scale (a float32 scalar, product rounded to
+    `attn_scores_dtype` again), then in `attn_softmax_dtype`, masked with -inf."""
+    scale = jnp.float32(qg.shape[-1] ** -0.5)
+    rounded = cast(_scores(qg, k, policy), policy.attn_scores_dtype).astype(jnp.float32)
+    s = cast(cast(rounded * scale, policy.attn_scores_dtype), policy.attn_softmax_dtype)
+    return jnp.where(visible, s, jnp.asarray(-jnp.inf, s.dtype))
 
 
 def _full(qg, k, v, visible, policy):

@@ -19,14 +19,21 @@ from jaxalign.numerics.dtypes import cast, dtype
 from jaxalign.numerics.reduce import reduce_sum
 
 
-def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
+def sigmoid(x: jax.Array) -> jax.Array:
+    """sigmoid computed in float32 and rounded once to x's dtype (as torch's bf16 sigmoid)."""
+    return jax.nn.sigmoid(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up. The activation is computed in float32 and rounded once to gate's dtype (as fused
+    kernels and torch's bf16 silu do), then multiplied by `up` in that dtype."""
+    return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
 def expert_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                policy: NumericPolicy) -> jax.Array:
     """SwiGLU experts on per-expert row blocks: x [E, R, H] -> [E, R, H] (compute dtype)."""
-    hidden = _swiglu(expert_matmul(x, w_gate, policy), expert_matmul(x, w_up, policy))
+    hidden = swiglu(expert_matmul(x, w_gate, policy), expert_matmul(x, w_up, policy))
     return expert_matmul(hidden, w_down, policy)
 
 
@@ -55,7 +62,7 @@ def _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy):
     order = jnp.argsort(flat, stable=True)
     rows = x[order // k]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    hidden = _swiglu(grouped_matmul(rows, w_gate, sizes, policy), grouped_matmul(rows, w_up, sizes, policy))
+    hidden = swiglu(grouped_matmul(rows, w_gate, sizes, policy), grouped_matmul(rows, w_up, sizes, policy))
     y_sorted = grouped_matmul(hidden, w_down, sizes, policy)
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
 

@@ -85,8 +85,11 @@ FIELDS: dict[str, _Field] = {
     "attention": _Field("attn", "full|chunked:C (C a positive int)",
                         lambda v: v == "full" or _positive_int_suffix(v, "chunked:") is not None,
                         "full softmax over all keys, or online softmax over fixed chunks of C keys"),
+    "attn_scores_dtype": _Field("attn_scores", "f32|bf16|f16", _one_of(*DTYPES),
+                                "dtype the q.k scores are rounded to and scaled in (transformers' eager "
+                                "attention: the model dtype)"),
     "attn_softmax_dtype": _Field("attn_softmax", "f32|bf16|f16", _one_of(*DTYPES),
-                                 "dtype of attention scores and their softmax"),
+                                 "dtype of the attention softmax"),
     "kv_cache_dtype": _Field("kv", "f32|bf16|f16", _one_of(*DTYPES),
                              "dtype keys and values are stored in before attention reads them"),
     "logits_dtype": _Field("logits", "f32|bf16|f16", _one_of(*DTYPES), "dtype of the LM-head output"),
@@ -112,6 +115,7 @@ class NumericPolicy:
     combine_order: str = "slot"
     dispatch: str = "dense"
     attention: str = "full"
+    attn_scores_dtype: str = "f32"
     attn_softmax_dtype: str = "f32"
     kv_cache_dtype: str = "f32"
     logits_dtype: str = "f32"
@@ -218,12 +222,12 @@ PRESETS: dict[str, NumericPolicy] = {
     "aligned-bf16": _bf16_compute(matmul_kernel="tiled:8", reduction="tree"),
     # Both sides in float16 (Qi et al. 2025); f32 norms, router, softmax and logits.
     "fp16": NumericPolicy(param_dtype="f16", compute_dtype="f16", kv_cache_dtype="f16"),
-    # transformers' eager expert loop: RoPE rotation in bf16, router linear in bf16, weights cast back to bf16, one expert at a time,
+    # transformers' eager attention and expert loop: RoPE rotation and q.k scores in bf16, router linear in bf16, weights cast back to bf16, one expert at a time,
     # index_add_ in bf16.
-    "hf-eager-bf16": _bf16_compute(rope_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
+    "hf-eager-bf16": _bf16_compute(rope_dtype="bf16", attn_scores_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
                                    combine_acc_dtype="bf16", combine_order="expert", logits_dtype="bf16"),
     # transformers' grouped_mm path: same router and bf16 products, summed over the top-k slots in float32 and
     # cast once.
-    "hf-grouped-bf16": _bf16_compute(rope_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
+    "hf-grouped-bf16": _bf16_compute(rope_dtype="bf16", attn_scores_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
                                      combine_acc_dtype="f32", combine_order="slot", logits_dtype="bf16"),
 }

@@ -1,0 +1,1 @@
+"""Interop with other stacks: Hugging Face checkpoints and golden files for porting."""
