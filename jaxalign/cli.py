@@ -33,6 +33,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _int_list_nonneg(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: non-negative ints, e.g. 0,1,2")
+    return values
+
+
 def _model_preset(name: str) -> str:
     if name not in preset_names():
         raise argparse.ArgumentTypeError(f"unknown model preset {name!r}; allowed: {', '.join(preset_names())}")
@@ -137,7 +147,28 @@ def cmd_golden(args) -> int:
 
 def cmd_demo(args) -> int:
     from jaxalign.demo import run_demo
-    return run_demo(json_out=args.json, quick=args.quick)
+    return run_demo(out_dir=args.out, json_out=args.json, quick=args.quick)
+
+
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def cmd_experiment(args) -> int:
+    from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
+    from jaxalign.rl.sft import SFTConfig
+    exp = ExperimentConfig(arms=args.arms, seeds=tuple(args.seeds), steps=args.steps,
+                           prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                           learning_rate=args.learning_rate, is_threshold=args.is_threshold, rs=args.rs,
+                           eval_every=args.eval_every, eval_problems=args.eval_problems,
+                           sft=SFTConfig(steps=args.sft_steps))
+    summary = run_experiment(exp, args.out, progress=not args.json)
+    if args.json:
+        print(report.to_json(summary))
+        return 0
+    print(report.table([{"arm": a, **v} for a, v in summary["arms"].items()], SUMMARY_COLUMNS))
+    print(f"\nwrote {args.out}/summary.md, summary.json and plots: {', '.join(summary['plots'])}")
+    return 0
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -150,9 +181,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object: preset -> fields")
     p.set_defaults(func=cmd_policies)
 
-    p = sub.add_parser("demo", help="the main job: measure the trainer-engine gap, misaligned vs aligned")
+    p = sub.add_parser("demo", help="the main job: Countdown RL from one warm start, aligned vs misaligned "
+                                    "trainer/engine numerics (~3 min on 2 CPU cores)")
+    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--quick", action="store_true", help="a smaller run (used by the tests)")
+    p.add_argument("--quick", action="store_true", help="a much smaller run (used by the tests)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("compare", help="generate with the engine policy, score with the trainer policy, "
@@ -182,6 +215,26 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=cmd_localize)
+
+    p = sub.add_parser("experiment", help="RL experiments")
+    esub = p.add_subparsers(dest="experiment", required=True)
+    e = esub.add_parser("countdown", help="GRPO on Countdown, one arm per numeric set-up, same warm start, "
+                                          "problems and seeds")
+    e.add_argument("--arms", type=_str_list, default=("aligned", "misaligned"), help="aligned,misaligned")
+    e.add_argument("--steps", type=int, default=30)
+    e.add_argument("--seeds", type=_int_list_nonneg, default=[0], help="e.g. 0,1,2")
+    e.add_argument("--prompts-per-step", type=int, default=8)
+    e.add_argument("--group-size", type=int, default=4)
+    e.add_argument("--learning-rate", type=float, default=3e-4)
+    e.add_argument("--is-threshold", default="2.0", help="TIS cap C, or lo_hi for IcePop")
+    e.add_argument("--rs", type=_str_list, default=("seq_mean_k1:0.999_1.001",),
+                   help="rejection rules MODE:THRESHOLD, comma-separated (empty string: none)")
+    e.add_argument("--eval-every", type=int, default=5)
+    e.add_argument("--eval-problems", type=int, default=64)
+    e.add_argument("--sft-steps", type=int, default=600)
+    e.add_argument("--out", required=True, help="output directory (resumes runs found there)")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser("import-hf", help="convert a transformers checkpoint directory to a jaxalign (orbax) "
                                          "checkpoint")

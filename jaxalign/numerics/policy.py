@@ -218,8 +218,11 @@ PRESETS: dict[str, NumericPolicy] = {
     "serve-bf16": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
                                 combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16"),
     # Used on both sides: batch-invariant kernels (fixed row tiles, halving-tree reductions) so engine and
-    # trainer logprobs are bitwise identical, while matmuls stay bf16.
-    "aligned-bf16": _bf16_compute(matmul_kernel="tiled:8", reduction="tree"),
+    # trainer logprobs are bitwise identical, while matmuls stay bf16. RoPE and gate weights are bf16 so every
+    # product that feeds an add is exact in f32: XLA:CPU contracts a*b+c into an FMA or not depending on
+    # fusion, and only exact products make both roundings agree (docs/policies.md).
+    "aligned-bf16": _bf16_compute(matmul_kernel="tiled:8", reduction="tree", rope_dtype="bf16",
+                                  combine_weight_dtype="bf16"),
     # Both sides in float16 (Qi et al. 2025); f32 norms, router, softmax and logits.
     "fp16": NumericPolicy(param_dtype="f16", compute_dtype="f16", kv_cache_dtype="f16"),
     # transformers' eager attention and expert loop: RoPE rotation and q.k scores in bf16, router linear in bf16, weights cast back to bf16, one expert at a time,

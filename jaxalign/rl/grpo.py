@@ -1,0 +1,67 @@
+"""GRPO: group-normalised advantages and the PPO-clip policy loss (with IS weights and a rejection mask from
+`correction`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """Group size, PPO clip range (separate low/high epsilon), loss aggregation and optional KL to a reference."""
+
+    group_size: int = 4
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    loss_agg: str = "token-mean"
+    kl_coef: float = 0.0
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"group_size = {self.group_size}; allowed: >= 2 (advantages are relative to a group)")
+        if not (0 < self.clip_low < 1 and self.clip_high > 0):
+            raise ValueError(f"clip_low = {self.clip_low}, clip_high = {self.clip_high}; allowed: 0 < low < 1, high > 0")
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_agg = {self.loss_agg!r}; allowed: {', '.join(LOSS_AGGREGATIONS)}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef = {self.kl_coef}; allowed: >= 0")
+
+
+def group_advantages(rewards, group_size: int, eps: float = 1e-6) -> np.ndarray:
+    """(r - mean(group)) / (std(group) + eps) for rewards laid out group after group."""
+    r = np.asarray(rewards, np.float64)
+    if r.size % group_size:
+        raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
+    g = r.reshape(-1, group_size)
+    return ((g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + eps)).reshape(-1).astype(np.float32)
+
+
+def policy_loss(logp, logp_old, advantages, weights, mask, cfg: GRPOConfig, logp_ref=None):
+    """PPO-clip loss and diagnostics. All per-token [B, S] except advantages [B]; `mask` = accepted tokens,
+    `weights` = IS weights (constants). Returns (loss, {"clip_fraction", "ratio_mean", "kl_ref"})."""
+    mask = mask.astype(jnp.float32)
+    ratio = jnp.exp(jnp.clip(logp - logp_old, -20.0, 20.0))
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
+    per_token = -jnp.minimum(unclipped, clipped) * weights
+    kl_ref = jnp.zeros_like(per_token)
+    if logp_ref is not None and cfg.kl_coef > 0:
+        m = jnp.clip(logp_ref - logp, -20.0, 20.0)
+        kl_ref = jnp.exp(m) - 1.0 - m
+        per_token = per_token + cfg.kl_coef * kl_ref
+    if cfg.loss_agg == "token-mean":
+        loss = jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    else:
+        per_seq = jnp.sum(per_token * mask, 1) / jnp.maximum(jnp.sum(mask, 1), 1.0)
+        has = (jnp.sum(mask, 1) > 0).astype(jnp.float32)
+        loss = jnp.sum(per_seq * has) / jnp.maximum(jnp.sum(has), 1.0)
+    n = jnp.maximum(jnp.sum(mask), 1.0)
+    stats = {"clip_fraction": jnp.sum((unclipped != clipped) * mask) / n,
+             "ratio_mean": jnp.sum(ratio * mask) / n, "kl_ref": jnp.sum(kl_ref * mask) / n}
+    return loss, stats

@@ -1,0 +1,91 @@
+"""SFT warm start: brute-force solutions of generated Countdown problems, a short supervised run, and a cache so
+every arm and seed of an experiment starts from the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxalign.checkpoint import load_model, save_model
+from jaxalign.model.config import ModelConfig
+from jaxalign.model.scoring import sequence_logprobs
+from jaxalign.model.transformer import Transformer
+from jaxalign.numerics import NumericPolicy
+from jaxalign.rl import countdown, tokenizer
+from jaxalign.rl.trainer import PROMPT_WIDTH, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Warm-start settings; together with the model config they key the cache."""
+
+    problems: int = 4000
+    steps: int = 600
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    seed: int = 0
+    max_new_tokens: int = 24
+    policy: str = "fp32"
+    problem_count: tuple[int, int] = (3, 3)
+
+
+def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Token sequences [N, W] (prompt + solution + </answer> + eos) and the mask of target positions [N, W-1]."""
+    width = PROMPT_WIDTH + cfg.max_new_tokens
+    problems = countdown.generate_problems(cfg.problems, seed=cfg.seed, count=cfg.problem_count)
+    tokens = np.zeros((len(problems), width), np.int32)
+    mask = np.zeros((len(problems), width - 1), bool)
+    for i, p in enumerate(problems):
+        prompt = tokenizer.encode(p.prompt(), bos=True)
+        answer = tokenizer.encode(p.solution + "</answer>", eos=True)
+        if len(prompt) > PROMPT_WIDTH or len(answer) > cfg.max_new_tokens:
+            raise ValueError(f"problem {p} does not fit the prompt width / max_new_tokens")
+        tokens[i, : len(prompt) + len(answer)] = prompt + answer
+        mask[i, len(prompt) - 1: len(prompt) - 1 + len(answer)] = True
+    return tokens, mask
+
+
+def cache_key(model_config: ModelConfig, cfg: SFTConfig) -> str:
+    """Stable key of (architecture, SFT settings)."""
+    blob = json.dumps({"model": model_config.to_dict(), "sft": dataclasses.asdict(cfg)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def warm_start(model_config: ModelConfig, cfg: SFTConfig, cache_dir: str, *, progress: bool = True) -> Transformer:
+    """The SFT'd model: loaded from `cache_dir` when this (config, settings) pair was trained before."""
+    from tqdm import tqdm
+
+    path = os.path.join(cache_dir, f"warmstart-{cache_key(model_config, cfg)}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return load_model(path)
+    model = Transformer(model_config, rngs=nnx.Rngs(cfg.seed))
+    tokens, mask = solution_traces(cfg)
+    policy = NumericPolicy.parse(cfg.policy)
+    graphdef, params = nnx.split(model)
+    optimizer = make_optimizer(cfg.learning_rate, 0.0, 1.0)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch, batch_mask):
+        def loss_fn(p):
+            lp, _ = sequence_logprobs(nnx.merge(graphdef, p), batch, policy)
+            return -jnp.sum(lp * batch_mask) / jnp.sum(batch_mask)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(cfg.seed)
+    for _ in tqdm(range(cfg.steps), desc="SFT warm start", disable=not progress):
+        rows = rng.choice(len(tokens), cfg.batch_size, replace=False)
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens[rows]), jnp.asarray(mask[rows]))
+    nnx.update(model, params)
+    save_model(model, path, overwrite=True)
+    return model
