@@ -52,9 +52,14 @@ def test_bad_arguments_explain_themselves(args, needle):
     assert proc.returncode != 0 and needle in proc.stderr
 
 
-def test_demo_quick_runs():
-    data = json.loads(_run("demo", "--quick", "--json").stdout)
-    aligned = [r for res in data["results"] if res["arm"] == "aligned" for r in res["runs"]]
-    misaligned = [r for res in data["results"] if res["arm"] == "misaligned" for r in res["runs"]]
-    assert aligned and all(r["max_abs_logp_diff"] == 0.0 for r in aligned)
-    assert misaligned and all(r["k3_kl"] > 0 for r in misaligned)
+def test_demo_quick_runs(tmp_path):
+    out = tmp_path / "demo"
+    data = json.loads(_run("demo", "--quick", "--json", "--out", str(out)).stdout)
+    aligned, misaligned = data["arms"]["aligned"], data["arms"]["misaligned"]
+    assert aligned["mean_kl"] == 0.0 and aligned["steps_with_nonzero_kl"] == 0
+    assert aligned["rejected_fraction"] == 0.0 and aligned["max_abs_logp_diff"] == 0.0
+    assert misaligned["max_abs_logp_diff"] > 0 and misaligned["steps_with_nonzero_kl"] > 0
+    for name in ("summary.json", "summary.md", "reward.png", "kl.png", "rejected.png"):
+        assert (out / name).exists(), name
+    for arm in ("aligned", "misaligned"):
+        assert (out / arm / "seed0" / "metrics.jsonl").exists()

@@ -11,7 +11,7 @@ NOTEBOOKS = sorted(n for n in os.listdir(NOTEBOOK_DIR) if n.endswith(".ipynb"))
 
 
 def test_notebooks_are_committed_with_outputs():
-    assert {"01_where_mismatch_arises.ipynb", "02_router_flips.ipynb"} <= set(NOTEBOOKS)
+    assert {"01_where_mismatch_arises.ipynb", "02_router_flips.ipynb", "03_rl_alignment.ipynb"} <= set(NOTEBOOKS)
     for name in NOTEBOOKS:
         nb = nbformat.read(os.path.join(NOTEBOOK_DIR, name), as_version=4)
         assert any(cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), name

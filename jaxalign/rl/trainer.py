@@ -156,7 +156,7 @@ class Trainer:
 
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, stats, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, stats, optax.tree.norm(grads)
 
     def _problems(self, step: int) -> list[countdown.Problem]:
         return countdown.generate_problems(self.config.prompts_per_step, seed=self.config.seed * 100_003 + step,
@@ -192,7 +192,8 @@ class Trainer:
             jnp.asarray(reference, jnp.float32), jnp.asarray(advantages), jnp.asarray(weights), jnp.asarray(accept))
         loss, gnorm = float(loss), float(gnorm)
         if not (np.isfinite(loss) and np.isfinite(gnorm)):
-            self.save()  # the state before this update: resumable
+            if self.checkpoints.latest_step() != self.step:
+                self.save()  # the state before this update: resumable
             raise FloatingPointError(
                 f"non-finite loss ({loss}) or gradient norm ({gnorm}) at step {self.step}; the run stopped and the "
                 f"last good state is checkpointed in {self.run_dir}/checkpoints (step {self.step})")

@@ -1,0 +1,105 @@
+"""The RL trainer: aligned arm exactly on-policy, exact resume, determinism, the NaN guard, the experiment."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxalign.model.config import ModelConfig
+from jaxalign.rl.correction import CorrectionConfig
+from jaxalign.rl.grpo import GRPOConfig
+from jaxalign.rl.sft import SFTConfig, warm_start
+from jaxalign.rl.trainer import RLConfig, Trainer
+
+SFT = SFTConfig(problems=300, steps=30)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("cache"))
+    model = warm_start(ModelConfig.preset("countdown"), SFT, cache, progress=False)
+    return cache, nnx.state(model)
+
+
+def _model(base):
+    cache, state = base
+    model = warm_start(ModelConfig.preset("countdown"), SFT, cache, progress=False)  # from the cache
+    nnx.update(model, jax.tree.map(lambda x: x, state))
+    return model
+
+
+def _config(**kw):
+    defaults = dict(steps=4, prompts_per_step=4, grpo=GRPOConfig(group_size=2), max_new_tokens=20,
+                    checkpoint_every=2, eval_every=2, eval_problems=8,
+                    correction=CorrectionConfig(rs=("seq_mean_k1:0.999_1.001",)))
+    defaults.update(kw)
+    return RLConfig(**defaults)
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+def test_warm_start_is_cached_and_scores(base, tmp_path):
+    model = _model(base)
+    trainer = Trainer(model, _config(), str(tmp_path / "run"))
+    assert trainer.evaluate() > 0.0  # the warm start already earns reward (format or correct answers)
+
+
+def test_aligned_arm_is_exactly_on_policy_and_misaligned_is_not(base, tmp_path):
+    rows = Trainer(_model(base), _config(), str(tmp_path / "aligned")).run(progress=False)
+    steps = [r for r in rows if r["step"] > 0]
+    assert len(steps) == 4
+    for r in steps:
+        assert r["rollout_corr/kl"] == 0.0 and r["rollout_corr/k3_kl"] == 0.0
+        assert r["rollout_corr/max_abs_logp_diff"] == 0.0
+        assert r["rollout_corr/rollout_rs_masked_fraction"] == 0.0 and r["route_flip_rate"] == 0.0
+    mis = Trainer(_model(base), _config(trainer_policy="train-bf16", engine_policy="serve-bf16"),
+                  str(tmp_path / "misaligned")).run(progress=False)
+    assert all(r["rollout_corr/max_abs_logp_diff"] > 0 for r in mis if r["step"] > 0)
+    with open(tmp_path / "aligned" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 1, 2, 3, 4]
+    assert os.listdir(tmp_path / "aligned" / "tb")
+
+
+def test_resume_is_exact_and_runs_are_deterministic(base, tmp_path):
+    cfg = _config(trainer_policy="train-bf16", engine_policy="serve-bf16")
+    straight = Trainer(_model(base), cfg, str(tmp_path / "straight"))
+    rows_straight = straight.run(progress=False)
+    again = Trainer(_model(base), cfg, str(tmp_path / "again")).run(progress=False)
+    assert _strip(again) == _strip(rows_straight)  # same seed -> same metrics
+    interrupted = Trainer(_model(base), cfg, str(tmp_path / "resumed"))
+    interrupted.run(progress=False, stop_after=2)
+    assert interrupted.step == 2
+    resumed = Trainer(_model(base), cfg, str(tmp_path / "resumed"))  # a fresh process would do this
+    rows_resumed = resumed.run(progress=False)
+    assert resumed.step == 4
+    assert _strip(rows_resumed) == _strip(rows_straight)
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_nan_guard_stops_with_a_resumable_checkpoint(base, tmp_path):
+    model = _model(base)
+    trainer = Trainer(model, _config(), str(tmp_path / "nan"))
+    trainer.run(progress=False, stop_after=1)
+    leaf = model.blocks[0].attn.q_proj.w
+    leaf[...] = leaf[...] * np.nan
+    trainer.params = nnx.split(model)[1]
+    with pytest.raises(FloatingPointError, match="last good state is checkpointed"):
+        trainer.run(progress=False, resume=False)
+    assert trainer.checkpoints.latest_step() == 1
+
+
+def test_bad_rl_settings():
+    with pytest.raises(ValueError, match="mode"):
+        RLConfig(mode="offline")
+    with pytest.raises(ValueError, match="replay"):
+        RLConfig(replay="r4")
+    with pytest.raises(ValueError, match="group_size"):
+        GRPOConfig(group_size=1)
+    with pytest.raises(ValueError, match="allowed keys|allowed:"):
+        RLConfig(trainer_policy="warp=9")
