@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="8,64")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--policy", default="fp32",
+                        help="engine policy (default fp32, dense dispatch)")
     parser.add_argument("--out", default="benchmarks/results/decode.json")
     args = parser.parse_args(argv)
     import torch
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
 
     model = ja.Transformer(ja.ModelConfig.preset(args.model), rngs=nnx.Rngs(0))
     cfg = model.config
-    policy = ja.NumericPolicy.preset("fp32")
+    policy = ja.NumericPolicy.parse(args.policy)
     engine = ja.Engine(model, policy)
     with tempfile.TemporaryDirectory() as tmp:
         hf.save(model, tmp)  # the same weights, as a transformers checkpoint
@@ -78,7 +80,8 @@ def main(argv=None) -> int:
                      * cfg.n_kv_heads * cfg.head_dim * 4,
                      "peak_rss_mib": peak_rss_mib()})
     print(f"model {args.model} (d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_experts} experts top-{cfg.top_k}, "
-          f"vocab {cfg.vocab_size}); fp32, greedy, prompt {args.prompt_len}, {args.new_tokens} new tokens")
+          f"vocab {cfg.vocab_size}); engine policy {args.policy!r}, greedy, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens; transformers fp32 eager")
     print(report.table(rows, ["batch", "jaxalign_tokens_per_s", "transformers_tokens_per_s", "speedup",
                               "greedy_token_agreement", "jaxalign_kv_cache_bytes", "transformers_kv_cache_bytes",
                               "peak_rss_mib"]))

@@ -26,6 +26,7 @@ KNOBS = [
     ("combine_order", "serve-bf16", "dense"),
     ("dispatch", "fp32", "sorted"),
     ("dispatch", "fp32", "capacity:0.5"),
+    ("dispatch", "fp32", "gather"),
     ("attention", "fp32", "chunked:4"),
     ("attn_scores_dtype", "fp32", "bf16"),
     ("attn_softmax_dtype", "fp32", "bf16"),

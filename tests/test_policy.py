@@ -53,6 +53,7 @@ def test_presets_are_distinct():
     ("", "non-empty"),
     ("matmul=bf16", "accumulates below"),
     ("dispatch=sorted,kernel=tiled:8", "no tiled variant"),
+    ("dispatch=gather,kernel=tiled:8", "gather"),
 ])
 def test_invalid_policies_name_the_problem(text, needle):
     with pytest.raises(ValueError, match=needle.replace("|", r"\|").replace("(", r"\(")):

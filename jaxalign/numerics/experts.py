@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxalign.numerics.matmul import expert_matmul, grouped_matmul
+from jaxalign.numerics.matmul import expert_matmul, gathered_matmul, grouped_matmul
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import cast, dtype
 from jaxalign.numerics.reduce import reduce_sum
@@ -50,6 +50,10 @@ def dispatch(x: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up: jax.Array, w
         y_all = expert_ffn(jnp.broadcast_to(x, (num_experts,) + x.shape), w_gate, w_up, w_down, policy)
         y = jnp.take_along_axis(jnp.moveaxis(y_all, 0, 1), idx[..., None], axis=1)
         return y, jnp.ones(idx.shape, bool)
+    if policy.dispatch == "gather":
+        rows = jnp.broadcast_to(x[:, None], (n, k, x.shape[-1]))
+        hidden = swiglu(gathered_matmul(rows, w_gate[idx], policy), gathered_matmul(rows, w_up[idx], policy))
+        return gathered_matmul(hidden, w_down[idx], policy), jnp.ones(idx.shape, bool)
     if policy.dispatch == "sorted":
         return _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy), jnp.ones(idx.shape, bool)
     return _dispatch_capacity(x, idx, w_gate, w_up, w_down, policy)

@@ -75,6 +75,13 @@ def expert_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Arra
     return lax.map(lambda ab: matmul(ab[0], ab[1], policy), (x, w))
 
 
+def gathered_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """Per-row weights: x [N, k, K] @ w [N, k, K, M] -> [N, k, M] (float32 accumulation, compute dtype out)."""
+    cdt = policy.compute_dtype
+    y = jnp.einsum("nkc,nkcm->nkm", cast(x, cdt), cast(w, cdt), preferred_element_type=jnp.float32)
+    return cast(y, cdt)
+
+
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
     """Rows sorted by expert: x [R, K], w [E, K, N], group_sizes [E] -> [R, N] (lax.ragged_dot)."""
     x = cast(x, policy.compute_dtype)

@@ -78,9 +78,10 @@ FIELDS: dict[str, _Field] = {
     "combine_order": _Field("combine", "slot|expert|dense", _one_of("slot", "expert", "dense"),
                             "slot = sum over the k slots in top-k order; expert = one expert at a time in id "
                             "order (transformers eager); dense = reduce over all experts with zeros (MaxText dense)"),
-    "dispatch": _Field("dispatch", "dense|sorted|capacity:F (F a positive float)",
-                       lambda v: v in ("dense", "sorted") or _positive_float_suffix(v, "capacity:") is not None,
-                       "dense = every expert sees every token; sorted = argsort + grouped matmul; "
+    "dispatch": _Field("dispatch", "dense|sorted|gather|capacity:F (F a positive float)",
+                       lambda v: v in ("dense", "sorted", "gather") or _positive_float_suffix(v, "capacity:") is not None,
+                       "dense = every expert sees every token; sorted = argsort + grouped matmul; gather = each "
+                       "token's k expert weights gathered, batched vector-matrix products (decode engines); "
                        "capacity:F = per-expert buffers of F*tokens*k/experts rows, overflow dropped"),
     "attention": _Field("attn", "full|chunked:C (C a positive int)",
                         lambda v: v == "full" or _positive_int_suffix(v, "chunked:") is not None,
@@ -129,6 +130,9 @@ class NumericPolicy:
         if self.matmul_acc in ("bf16", "f16") and self.matmul_acc != self.compute_dtype:
             raise ValueError(f"NumericPolicy.matmul_acc = {self.matmul_acc!r} accumulates below the compute dtype "
                              f"{self.compute_dtype!r}; allowed: f32, a DotAlgorithmPreset, or the compute dtype")
+        if self.dispatch == "gather" and (self.matmul_kernel != "xla" or self.matmul_acc in ("bf16", "f16")):
+            raise ValueError("NumericPolicy.dispatch = 'gather' uses batched vector-matrix products with float32 "
+                             "accumulation; it needs matmul_kernel 'xla' and matmul_acc f32 (or a DotAlgorithmPreset)")
         if self.dispatch == "sorted" and self.matmul_kernel != "xla":
             raise ValueError(f"NumericPolicy.dispatch = 'sorted' uses a grouped matmul that has no tiled variant; "
                              f"with matmul_kernel = {self.matmul_kernel!r} use dispatch 'dense' or 'capacity:F'")
