@@ -10,14 +10,13 @@ import argparse
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(__file__))
 import jaxalign as ja  # noqa: E402
-from common import best_of, write_json  # noqa: E402
+from common import best_of, trainer_step_seconds, write_json  # noqa: E402
 from jaxalign import report  # noqa: E402
 
 
@@ -27,19 +26,6 @@ def engine_tokens_per_s(model, policy, prompts, new_tokens, batch):
                                   batch_size=batch).tokens
     seconds = best_of(run)
     return len(prompts) * new_tokens / seconds
-
-
-def trainer_step_seconds(model, policy, tokens):
-    graphdef, params = nnx.split(model, nnx.Param)
-
-    @jax.jit
-    def step(params, tokens):
-        def loss(p):
-            lp, _ = ja.sequence_logprobs(nnx.merge(graphdef, p), tokens, policy)
-            return -jnp.mean(lp)
-        return jax.value_and_grad(loss)(params)
-
-    return best_of(lambda: step(params, tokens))
 
 
 def main(argv=None) -> int:

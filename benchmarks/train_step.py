@@ -13,14 +13,13 @@ import sys
 import tempfile
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(__file__))
 import jaxalign as ja  # noqa: E402
-from common import best_of, write_json  # noqa: E402
+from common import trainer_step_seconds, write_json  # noqa: E402
 from jaxalign import report  # noqa: E402
 from jaxalign.interop import hf  # noqa: E402
 
@@ -38,19 +37,9 @@ def main(argv=None) -> int:
 
     model = ja.Transformer(ja.ModelConfig.preset(args.model), rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, args.seq))
-    graphdef, params = nnx.split(model)
     rows = []
     for name in args.policies.split(","):
-        policy = ja.NumericPolicy.parse(name)
-
-        @jax.jit
-        def step(params, toks):
-            def loss(p):
-                lp, _ = ja.sequence_logprobs(nnx.merge(graphdef, p), toks, policy)
-                return -jnp.mean(lp)
-            return jax.value_and_grad(loss)(params)
-
-        seconds = best_of(lambda: step(params, jnp.asarray(tokens)))
+        seconds = trainer_step_seconds(model, ja.NumericPolicy.parse(name), jnp.asarray(tokens))
         rows.append({"implementation": f"jaxalign {name}", "step_s": seconds,
                      "tokens_per_s": tokens.size / seconds})
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,24 +23,22 @@ def _policy(text: str) -> NumericPolicy:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: positive ints, e.g. 1,8,32")
-    return values
+def _ints(minimum: int, example: str):
+    """An argparse type: a comma-separated list of ints, each >= minimum."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
+        if not values or min(values) < minimum:
+            kind = "positive" if minimum == 1 else "non-negative"
+            raise argparse.ArgumentTypeError(f"{text!r}: allowed: {kind} ints, e.g. {example}")
+        return values
+    return parse
 
 
-def _int_list_nonneg(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: non-negative ints, e.g. 0,1,2")
-    return values
+_int_list = _ints(1, "1,8,32")
+_int_list_nonneg = _ints(0, "0,1,2")
 
 
 def _model_preset(name: str) -> str:

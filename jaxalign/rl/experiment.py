@@ -145,9 +145,7 @@ def summary_markdown(summary: dict) -> str:
 
 def plot(runs: dict, out_dir: str) -> list[str]:
     """reward.png, kl.png and rejected.png: one line per arm and seed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend (e.g. a notebook's) alone
 
     panels = [("reward.png", "held-out reward (greedy)", "eval_reward"),
               ("train_reward.png", "training reward (sampled)", "reward_mean"),
@@ -156,7 +154,8 @@ def plot(runs: dict, out_dir: str) -> list[str]:
               ("rejected.png", "rejected token fraction", "rollout_corr/rollout_rs_masked_fraction")]
     paths = []
     for name, title, key in panels:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
         for (arm, seed), rows in runs.items():
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:
@@ -168,6 +167,5 @@ def plot(runs: dict, out_dir: str) -> list[str]:
         fig.tight_layout()
         path = os.path.join(out_dir, name)
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         paths.append(path)
     return paths
