@@ -40,3 +40,16 @@ def tiny_model() -> Transformer:
 def forward_logits(model: Transformer, tokens, policy, replay=None):
     """Jitted (logits, RoutingRecord); compiled once per (model structure, policy, shapes)."""
     return forward(model, tokens, policy, replay=replay)
+
+
+@functools.lru_cache(maxsize=None)
+def build_lora_model(preset: str = "tiny") -> Transformer:
+    """A model with rank-4 adapters on the attention projections and non-zero B (so adapters do something)."""
+    from jaxalign.model.lora import add_lora
+    model = Transformer(ModelConfig.preset(preset), rngs=nnx.Rngs(0))
+    add_lora(model, 4, 8.0)
+    rng = np.random.default_rng(0)
+    for _, module in nnx.iter_graph(model):
+        if getattr(module, "lora_b", None) is not None:
+            module.lora_b[...] = rng.normal(0, 0.1, module.lora_b[...].shape).astype(np.float32)
+    return model

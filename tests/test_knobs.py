@@ -6,7 +6,7 @@ import pytest
 
 from jaxalign.numerics import FIELDS, NumericPolicy
 
-from conftest import build_model, forward_logits, random_tokens
+from conftest import build_lora_model, build_model, forward_logits, random_tokens
 
 # (field, base policy, flipped value). The base is chosen so that the field is live (e.g. matmul accumulation
 # in bf16 needs a bf16 compute dtype; combine order needs a low-precision accumulator to show).
@@ -32,6 +32,7 @@ KNOBS = [
     ("attn_softmax_dtype", "fp32", "bf16"),
     ("kv_cache_dtype", "fp32", "bf16"),
     ("logits_dtype", "fp32", "bf16"),
+    ("lora", "aligned-bf16", "unmerged"),  # on a model with LoRA adapters
 ]
 
 
@@ -41,7 +42,7 @@ def test_every_field_has_a_knob():
 
 @pytest.mark.parametrize("field, base_name, value", KNOBS, ids=[f"{f}={v}" for f, _, v in KNOBS])
 def test_knob_changes_numbers_and_restores(field, base_name, value):
-    model = build_model("tiny")
+    model = build_lora_model() if field == "lora" else build_model("tiny")
     tokens = random_tokens(model.config, 4, 32, seed=3)
     base = NumericPolicy.preset(base_name)
     flipped = base.replace(**{field: value})

@@ -49,10 +49,18 @@ class Engine:
         self.sync_weights(model)
 
     def sync_weights(self, model: Transformer) -> None:
-        """Receive new weights: cast the model's parameters to the engine's parameter dtype (once)."""
+        """Receive new weights: cast the model's parameters to the engine's parameter dtype (once); under a
+        `lora=merged` policy, LoRA adapters are folded into the weights here, not per step."""
+        from jaxalign.model.lora import has_lora, merge_lora_for_serving
         if model.config != self.config:
             raise ValueError("sync_weights got a model with another config than this engine was built for")
-        _, state = nnx.split(model)
+        graphdef, state = nnx.split(model)
+        if self.policy.lora == "merged" and has_lora(model):
+            state = jax.tree.map(lambda x: x, state)  # fresh variables: the caller's model stays untouched
+            copy = nnx.merge(graphdef, state)
+            merge_lora_for_serving(copy, self.policy)
+            _, state = nnx.split(copy)
+        self.graphdef = graphdef
         self.state = _cast_state(state, self.policy)
 
     def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, batch_size, schedule,

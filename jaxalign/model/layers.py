@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxalign.numerics import NumericPolicy, as_compute, as_param
 from jaxalign.numerics.experts import swiglu
+from jaxalign.numerics.lora import lora_linear
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.reduce import rms_norm
 
@@ -35,15 +36,34 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], *, std:
     return nnx.Param(value, logical_axes=axes)
 
 
+class LoRAParam(nnx.Param):
+    """A LoRA adapter parameter (the trainer can train these alone)."""
+
+
 class Linear(nnx.Module):
-    """y = x @ w (+ b), w [in, out]."""
+    """y = x @ w (+ b), w [in, out]; optional LoRA adapter (see `add_lora`)."""
 
     def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, rngs: nnx.Rngs, bias: bool = False):
         self.w = param(rngs, (d_in, d_out), axes, fan_in=d_in)
         self.b = param(rngs, (d_out,), axes[1:], init="zeros") if bias else None
+        self.lora_a = nnx.data(None)
+        self.lora_b = nnx.data(None)
+        self.lora_scale = 0.0
+
+    def add_lora(self, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
+        """Attach a rank-`rank` adapter (A random, B zero: the model's function is unchanged)."""
+        d_in, d_out = self.w[...].shape
+        axes = self.w.logical_axes
+        self.lora_a = LoRAParam(jax.random.normal(rngs.params(), (d_in, rank), jnp.float32) / math.sqrt(d_in),
+                                logical_axes=(axes[0], "lora_rank"))
+        self.lora_b = LoRAParam(jnp.zeros((rank, d_out), jnp.float32), logical_axes=("lora_rank", axes[1]))
+        self.lora_scale = alpha / rank
 
     def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
-        y = matmul(x, as_param(self.w[...], policy), policy)
+        if self.lora_a is not None:
+            y = lora_linear(x, self.w[...], self.lora_a[...], self.lora_b[...], self.lora_scale, policy)
+        else:
+            y = matmul(x, as_param(self.w[...], policy), policy)
         if self.b is not None:
             y = y + as_compute(as_param(self.b[...], policy), policy)
         return y

@@ -94,6 +94,9 @@ FIELDS: dict[str, _Field] = {
     "kv_cache_dtype": _Field("kv", "f32|bf16|f16", _one_of(*DTYPES),
                              "dtype keys and values are stored in before attention reads them"),
     "logits_dtype": _Field("logits", "f32|bf16|f16", _one_of(*DTYPES), "dtype of the LM-head output"),
+    "lora": _Field("lora", "merged|unmerged", _one_of("merged", "unmerged"),
+                   "LoRA adapters folded into the weights (rounded to the param dtype) or applied as a separate "
+                   "low-rank path"),
 }
 _BY_KEY = {f.key: name for name, f in FIELDS.items()}
 
@@ -120,6 +123,7 @@ class NumericPolicy:
     attn_softmax_dtype: str = "f32"
     kv_cache_dtype: str = "f32"
     logits_dtype: str = "f32"
+    lora: str = "merged"
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():

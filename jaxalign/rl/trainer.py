@@ -58,6 +58,9 @@ class RLConfig:
     eval_problems: int = 64
     engine_batch: int | None = None
     problem_count: tuple[int, int] = (3, 3)
+    lora_rank: int = 0  # 0 = full fine-tuning
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __post_init__(self):
         NumericPolicy.parse(self.trainer_policy)
@@ -76,9 +79,18 @@ class RLConfig:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
-def make_optimizer(learning_rate: float, weight_decay: float, grad_clip: float) -> optax.GradientTransformation:
-    """AdamW with global-norm gradient clipping."""
-    return optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(learning_rate, weight_decay=weight_decay))
+def make_optimizer(learning_rate: float, weight_decay: float, grad_clip: float,
+                   lora_only: bool = False) -> optax.GradientTransformation:
+    """AdamW with global-norm gradient clipping; with `lora_only`, every non-adapter parameter is frozen."""
+    opt = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(learning_rate, weight_decay=weight_decay))
+    if not lora_only:
+        return opt
+    from jaxalign.model.lora import is_lora_path
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: "train" if is_lora_path(path) else "freeze",
+                                                params)
+    return optax.multi_transform({"train": opt, "freeze": optax.set_to_zero()}, labels)
 
 
 def pad_to(array: np.ndarray, width: int, axis: int, value) -> np.ndarray:
@@ -106,10 +118,15 @@ class Trainer:
         if model.config.vocab_size < tokenizer.VOCAB_SIZE:
             raise ValueError(f"model vocab_size {model.config.vocab_size} < tokenizer vocab {tokenizer.VOCAB_SIZE}")
         self.model, self.config, self.run_dir = model, config, run_dir
+        if config.lora_rank:
+            from jaxalign.model.lora import add_lora, has_lora
+            if not has_lora(model):
+                add_lora(model, config.lora_rank, config.lora_alpha, config.lora_targets, seed=config.seed)
         self.trainer_policy = NumericPolicy.parse(config.trainer_policy)
         self.engine = Engine(model, NumericPolicy.parse(config.engine_policy))
         self.graphdef, self.params = nnx.split(model)
-        self.optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip)
+        self.optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip,
+                                        lora_only=bool(config.lora_rank))
         self.opt_state = self.optimizer.init(self.params)
         self.width = PROMPT_WIDTH + config.max_new_tokens
         self.step = 0
