@@ -103,3 +103,11 @@ def test_bad_rl_settings():
         GRPOConfig(group_size=1)
     with pytest.raises(ValueError, match="allowed keys|allowed:"):
         RLConfig(trainer_policy="warp=9")
+
+
+def test_kl_to_reference_is_logged_and_grows_from_zero(base, tmp_path):
+    rows = Trainer(_model(base), _config(grpo=GRPOConfig(group_size=2, kl_coef=0.1), learning_rate=1e-2),
+                   str(tmp_path / "kl")).run(progress=False)
+    kl = [r["kl_ref"] for r in rows if r["step"] > 0]
+    assert kl[0] == 0.0  # the first update starts at the reference
+    assert max(kl[1:]) > 0.0

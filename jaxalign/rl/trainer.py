@@ -125,6 +125,9 @@ class Trainer:
         self.trainer_policy = NumericPolicy.parse(config.trainer_policy)
         self.engine = Engine(model, NumericPolicy.parse(config.engine_policy))
         self.graphdef, self.params = nnx.split(model)
+        # the frozen reference for the optional KL penalty: the weights the run starts from
+        self.reference = (nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.params))
+                          if config.grpo.kl_coef > 0 else None)
         self.optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip,
                                         lora_only=bool(config.lora_rank))
         self.opt_state = self.optimizer.init(self.params)
@@ -163,13 +166,13 @@ class Trainer:
         return True
 
     # --- one update -----------------------------------------------------------------------------------------
-    def _update_fn(self, params, opt_state, tokens, replay, logp_old, advantages, weights, mask):
+    def _update_fn(self, params, opt_state, tokens, replay, logp_old, advantages, weights, mask, logp_ref):
         cfg = self.config
 
         def loss_fn(p):
             lp, _ = sequence_logprobs(nnx.merge(self.graphdef, p), tokens, self.trainer_policy, replay=replay,
                                       temperature=cfg.temperature)
-            return policy_loss(lp, logp_old, advantages, weights, mask, cfg.grpo)
+            return policy_loss(lp, logp_old, advantages, weights, mask, cfg.grpo, logp_ref=logp_ref)
 
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
@@ -202,11 +205,16 @@ class Trainer:
         weights, accept, corr_metrics = correct(lp_old, logp_rollout, mask, cfg.correction)
         if cfg.mode == "bypass":
             weights = accept.astype(np.float32)  # pi_old := pi_rollout: the PPO ratio carries the mismatch
+        logp_ref = None
+        if self.reference is not None:
+            logp_ref = jnp.asarray(token_logprobs(self.reference, tokens, self.trainer_policy,
+                                                  temperature=cfg.temperature, replay=replay)[0])
         forwarded = (engine_routes >= 0).all(-1).all(-1)
         flips = routing_metrics(engine_routes, np.asarray(old_record.indices), valid=forwarded)
         params, opt_state, loss, stats, gnorm = self._update(
             self.params, self.opt_state, jnp.asarray(tokens), None if replay is None else jnp.asarray(replay),
-            jnp.asarray(reference, jnp.float32), jnp.asarray(advantages), jnp.asarray(weights), jnp.asarray(accept))
+            jnp.asarray(reference, jnp.float32), jnp.asarray(advantages), jnp.asarray(weights), jnp.asarray(accept),
+            logp_ref)
         loss, gnorm = float(loss), float(gnorm)
         if not (np.isfinite(loss) and np.isfinite(gnorm)):
             if self.checkpoints.latest_step() != self.step:
