@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can read bf16)
 import numpy as np
 from flax import nnx
@@ -249,22 +251,15 @@ def load(path: str) -> Transformer:
     params = params_from_hf(read_tensors(path), cfg)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, _as_jax_tree(params))
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params))
     nnx.update(model, state)
     return model
-
-
-def _as_jax_tree(tree):
-    import jax.numpy as jnp
-    if isinstance(tree, dict):
-        return {k: _as_jax_tree(v) for k, v in tree.items()}
-    return jnp.asarray(tree, jnp.float32)
 
 
 def tensors_to_hf(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
     """transformers tensor names (per-expert layout) -> arrays, for `model`'s parameters."""
     cfg = model.config
-    p = _to_numpy(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    p = jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     out = {"model.embed_tokens.weight": p["embed"]["table"], "model.norm.weight": p["final_norm"]["scale"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = p["lm_head"]["w"].T
@@ -300,12 +295,6 @@ def tensors_to_hf(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
         if cfg.shared_expert_gate:
             out[moe + "shared_expert_gate.weight"] = m["shared_gate"]["w"].T
     return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
-
-
-def _to_numpy(tree):
-    if isinstance(tree, dict):
-        return {k: _to_numpy(v) for k, v in tree.items()}
-    return np.asarray(tree, np.float32)
 
 
 def save(model: Transformer, path: str, dtype=np.float32) -> None:

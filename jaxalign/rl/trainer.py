@@ -201,7 +201,7 @@ class Trainer:
                                             replay=engine_routes if cfg.replay == "r3" else None)
         lp_old = np.asarray(lp_old)
         replay = {"none": None, "r3": engine_routes, "r2": np.asarray(old_record.indices)}[cfg.replay]
-        reference = logp_rollout if cfg.mode == "bypass" else lp_old
+        logp_behaviour = logp_rollout if cfg.mode == "bypass" else lp_old  # the PPO ratio's denominator
         weights, accept, corr_metrics = correct(lp_old, logp_rollout, mask, cfg.correction)
         if cfg.mode == "bypass":
             weights = accept.astype(np.float32)  # pi_old := pi_rollout: the PPO ratio carries the mismatch
@@ -213,7 +213,7 @@ class Trainer:
         flips = routing_metrics(engine_routes, np.asarray(old_record.indices), valid=forwarded)
         params, opt_state, loss, stats, gnorm = self._update(
             self.params, self.opt_state, jnp.asarray(tokens), None if replay is None else jnp.asarray(replay),
-            jnp.asarray(reference, jnp.float32), jnp.asarray(advantages), jnp.asarray(weights), jnp.asarray(accept),
+            jnp.asarray(logp_behaviour, jnp.float32), jnp.asarray(advantages), jnp.asarray(weights), jnp.asarray(accept),
             logp_ref)
         loss, gnorm = float(loss), float(gnorm)
         if not (np.isfinite(loss) and np.isfinite(gnorm)):
