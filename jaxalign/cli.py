@@ -65,15 +65,58 @@ def cmd_policies(args) -> int:
     return 0
 
 
+def _mesh_spec(text: str) -> str:
+    from jaxalign.model.sharding import parse_mesh_spec
+    try:
+        parse_mesh_spec(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _meshes(args):
+    """(trainer mesh, engine mesh) from --trainer-mesh / --engine-mesh (None where not given)."""
+    from jaxalign.model.sharding import make_mesh
+    return tuple(None if spec is None else make_mesh(spec) for spec in (args.trainer_mesh, args.engine_mesh))
+
+
+def _add_mesh_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trainer-mesh", type=_mesh_spec, default=None,
+                   help="trainer-side device mesh, e.g. fsdp=4,tensor=2 (axes data, fsdp, expert, tensor)")
+    p.add_argument("--engine-mesh", type=_mesh_spec, default=None, help="engine-side device mesh, e.g. tensor=8")
+    p.add_argument("--host-devices", type=int, default=None,
+                   help="on CPU, fake this many devices (sets XLA_FLAGS before JAX starts)")
+
+
+def _fake_host_devices(n: int) -> None:
+    """Make the CPU backend expose `n` devices; must run before JAX starts its backend."""
+    import os
+
+    from jax._src import xla_bridge
+    if n < 1:
+        raise ValueError(f"--host-devices {n}; allowed: a positive int")
+    if xla_bridge.backends_are_initialized():
+        import jax
+        if jax.device_count() < n:
+            raise ValueError(f"--host-devices {n}: JAX already started with {jax.device_count()} devices")
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def cmd_compare(args) -> int:
     from jaxalign.align.compare import compare
+    trainer_mesh, engine_mesh = _meshes(args)
     result = compare(build_model(args.model, args.model_seed), args.trainer, args.engine, replay=args.replay,
                      n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, engine_batches=args.engine_batch,
-                     schedule=args.schedule, prefill_chunk=args.prefill_chunk, seed=args.seed)
+                     schedule=args.schedule, prefill_chunk=args.prefill_chunk, seed=args.seed,
+                     trainer_mesh=trainer_mesh, engine_mesh=engine_mesh)
     if args.json:
         print(report.to_json(result))
         return 0
-    print(f"model {args.model} ({result['config_fingerprint']}), replay {args.replay}, schedule {args.schedule}")
+    print(f"model {args.model} ({result['config_fingerprint']}), replay {args.replay}, schedule {args.schedule}, "
+          f"trainer mesh {result['trainer_mesh']}, engine mesh {result['engine_mesh']}")
     print(f"trainer: {result['trainer']}\nengine:  {result['engine']}")
     print("differs in: " + (", ".join(f"{f} ({a} vs {b})" for f, a, b in result["policy_diff"]) or "nothing"))
     print(report.table(result["runs"], COMPARE_COLUMNS))
@@ -82,13 +125,16 @@ def cmd_compare(args) -> int:
 
 def cmd_localize(args) -> int:
     from jaxalign.align.localize import localize
+    trainer_mesh, engine_mesh = _meshes(args)
     result = localize(build_model(args.model, args.model_seed), args.trainer, args.engine, n_prompts=args.prompts,
-                      max_new_tokens=args.max_new_tokens, seed=args.seed, replay=args.replay)
+                      max_new_tokens=args.max_new_tokens, seed=args.seed, replay=args.replay,
+                      trainer_mesh=trainer_mesh, engine_mesh=engine_mesh)
     if args.json:
         print(report.to_json(result))
         return 0
     base = result["baseline"]
-    print(f"trainer: {result['trainer']}\nengine:  {result['engine']}")
+    print(f"trainer: {result['trainer']} (mesh {result['trainer_mesh']})\n"
+          f"engine:  {result['engine']} (mesh {result['engine_mesh']})")
     print(f"full gap (teacher-forced, {result['n_tokens']} tokens): k3 {report.fmt(base['k3_kl'])}, "
           f"max |dlogp| {report.fmt(base['max_abs_logp_diff'])}, route flips {report.fmt(base['route_flip_rate'])}")
     print("\nfields, ranked (k3 with only this field switched to the engine's value; k3 removed by switching "
@@ -159,7 +205,8 @@ def cmd_experiment(args) -> int:
                            prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                            learning_rate=args.learning_rate, is_threshold=args.is_threshold, rs=args.rs,
                            eval_every=args.eval_every, eval_problems=args.eval_problems,
-                           sft=SFTConfig(steps=args.sft_steps))
+                           sft=SFTConfig(steps=args.sft_steps), trainer_mesh=args.trainer_mesh or "",
+                           engine_mesh=args.engine_mesh or "")
     summary = run_experiment(exp, args.out, progress=not args.json)
     if args.json:
         print(report.to_json(summary))
@@ -200,6 +247,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
     p.add_argument("--json", action="store_true", help="one JSON object with all metrics per engine batch size")
+    _add_mesh_args(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("localize", help="rank the policy fields, layers and modules that carry the gap")
@@ -212,6 +260,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object")
+    _add_mesh_args(p)
     p.set_defaults(func=cmd_localize)
 
     p = sub.add_parser("experiment", help="RL experiments")
@@ -232,6 +281,7 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--sft-steps", type=int, default=600)
     e.add_argument("--out", required=True, help="output directory (resumes runs found there)")
     e.add_argument("--json", action="store_true")
+    _add_mesh_args(e)
     e.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser("import-hf", help="convert a transformers checkpoint directory to a jaxalign (orbax) "
@@ -268,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "host_devices", None) is not None:
+            _fake_host_devices(args.host_devices)
         return args.func(args)
     except ValueError as err:
         print(f"jaxalign {args.command}: error: {err}", file=sys.stderr)

@@ -36,8 +36,22 @@ KNOBS = [
 ]
 
 
+# Fields whose knob needs a device mesh: their knob test runs on 8 fake devices in tests/multidevice/.
+MESH_KNOBS = {"cross_device": "tests/multidevice/test_meshes.py::test_cross_device_knob"}
+
+
 def test_every_field_has_a_knob():
-    assert {field for field, _, _ in KNOBS} == set(FIELDS)
+    assert {field for field, _, _ in KNOBS} | set(MESH_KNOBS) == set(FIELDS)
+
+
+def test_cross_device_is_a_no_op_on_one_device():
+    """`cross_device` only decides where sums run on a mesh; on one device both values give the same bits."""
+    model = build_model("tiny")
+    tokens = random_tokens(model.config, 4, 32, seed=3)
+    ordered = NumericPolicy.preset("aligned-bf16")
+    assert ordered.cross_device == "ordered"
+    np.testing.assert_array_equal(np.asarray(forward_logits(model, tokens, ordered)[0]),
+                                  np.asarray(forward_logits(model, tokens, ordered.replace(cross_device="xla"))[0]))
 
 
 @pytest.mark.parametrize("field, base_name, value", KNOBS, ids=[f"{f}={v}" for f, _, v in KNOBS])

@@ -8,6 +8,7 @@ from jaxalign.align.metrics import mismatch_metrics
 from jaxalign.align.routing import routing_metrics
 from jaxalign.engine import Engine, Rollout
 from jaxalign.model.scoring import token_logprobs
+from jaxalign.model.sharding import mesh_description
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 
@@ -22,16 +23,17 @@ def random_prompts(vocab_size: int, n: int, seed: int, min_len: int = 4, max_len
 
 
 def score_rollout(model: Transformer, rollout: Rollout, trainer: NumericPolicy, *, replay: str = "none",
-                  temperature: float = 1.0, top_k=None, top_p=None) -> dict:
+                  temperature: float = 1.0, top_k=None, top_p=None, mesh=None) -> dict:
     """Trainer-side scores of a rollout and the mismatch/routing metrics against the engine's.
 
     replay: `none` (trainer routes natively), `r3` (engine-recorded experts), `r2` (experts recorded by a
     separate trainer pass of the old policy -- at identical weights, the trainer's own native routing).
+    `mesh`: the trainer's device mesh (None = one device).
     Returns {"metrics": {...}, "routing": {...}, "native_routing": {...}, "logp_trainer": array}.
     """
     if replay not in REPLAY_MODES:
         raise ValueError(f"replay = {replay!r}; allowed: {', '.join(REPLAY_MODES)}")
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, mesh=mesh)
     engine_idx = np.asarray(rollout.routing.indices)
     forwarded = (engine_idx >= 0).all(-1).all(-1)
     _, native = token_logprobs(model, rollout.tokens, trainer, **kw)
@@ -48,16 +50,18 @@ def score_rollout(model: Transformer, rollout: Rollout, trainer: NumericPolicy, 
 
 def compare(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *, replay: str = "none",
             n_prompts: int = 16, max_new_tokens: int = 32, engine_batches=(8,), schedule: str = "static",
-            prefill_chunk: int | None = None, seed: int = 0, temperature: float = 1.0) -> dict:
-    """Run the engine at each batch size and score with the trainer. Returns a JSON-ready report."""
+            prefill_chunk: int | None = None, seed: int = 0, temperature: float = 1.0, trainer_mesh=None,
+            engine_mesh=None) -> dict:
+    """Run the engine at each batch size and score with the trainer. Returns a JSON-ready report.
+    `trainer_mesh` / `engine_mesh`: device meshes (`jaxalign.make_mesh`) for each side; None = one device."""
     prompts = random_prompts(model.config.vocab_size, n_prompts, seed,
                              max_len=min(16, model.config.max_seq_len - max_new_tokens))
-    eng = Engine(model, engine)
+    eng = Engine(model, engine, mesh=engine_mesh)
     runs = []
     for batch in engine_batches:
         rollout = eng.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                batch_size=batch, schedule=schedule, prefill_chunk=prefill_chunk)
-        scored = score_rollout(model, rollout, trainer, replay=replay, temperature=temperature)
+        scored = score_rollout(model, rollout, trainer, replay=replay, temperature=temperature, mesh=trainer_mesh)
         routing = scored["routing"]
         runs.append({"engine_batch": batch, **scored["metrics"],
                      **{k: v for k, v in routing.items() if k != "n_decisions"},
@@ -66,5 +70,6 @@ def compare(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *
     return {"model": model.config.family if model.config.family != "jaxalign" else "jaxalign",
             "config_fingerprint": model.config.fingerprint(), "trainer": str(trainer), "engine": str(engine),
             "policy_diff": [list(d) for d in trainer.diff(engine)], "replay": replay, "schedule": schedule,
-            "prefill_chunk": prefill_chunk, "prompts": n_prompts, "max_new_tokens": max_new_tokens, "seed": seed,
+            "prefill_chunk": prefill_chunk, "trainer_mesh": mesh_description(trainer_mesh),
+            "engine_mesh": mesh_description(engine_mesh), "prompts": n_prompts, "max_new_tokens": max_new_tokens, "seed": seed,
             "runs": runs}

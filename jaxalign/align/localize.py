@@ -17,6 +17,7 @@ from jaxalign.align.metrics import mismatch_metrics
 from jaxalign.align.routing import routing_metrics
 from jaxalign.engine import Engine
 from jaxalign.model.scoring import token_logprobs
+from jaxalign.model.sharding import mesh_description
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.schedule import PolicySchedule
@@ -27,17 +28,19 @@ import numpy as np
 class _Scorer:
     """Teacher-forced gap between the trainer policy and an engine-side variant on fixed tokens."""
 
-    def __init__(self, model, trainer, tokens, mask, temperature, replay):
+    def __init__(self, model, trainer, tokens, mask, temperature, replay, trainer_mesh=None, engine_mesh=None):
         self.model, self.tokens, self.mask = model, tokens, mask
+        self.trainer_mesh, self.engine_mesh = trainer_mesh, engine_mesh
         self.temperature, self.replay = temperature, replay
         self.trainer = trainer
         self._native_trainer = None
 
     def gap(self, engine_side) -> dict:
-        lp_e, rec_e = token_logprobs(self.model, self.tokens, engine_side, temperature=self.temperature)
+        lp_e, rec_e = token_logprobs(self.model, self.tokens, engine_side, temperature=self.temperature,
+                                     mesh=self.engine_mesh)
         replay = np.asarray(rec_e.indices) if self.replay == "r3" else None
         lp_t, rec_t = token_logprobs(self.model, self.tokens, self.trainer, temperature=self.temperature,
-                                     replay=replay)
+                                     replay=replay, mesh=self.trainer_mesh)
         metrics = mismatch_metrics(np.asarray(lp_t), np.asarray(lp_e), self.mask)
         flips = routing_metrics(np.asarray(rec_e.indices), np.asarray(rec_t.indices))["route_flip_rate"]
         return {"k3_kl": metrics["k3_kl"], "kl": metrics["kl"], "max_abs_logp_diff": metrics["max_abs_logp_diff"],
@@ -45,19 +48,22 @@ class _Scorer:
 
 
 def localize(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *, n_prompts: int = 16,
-             max_new_tokens: int = 32, seed: int = 0, temperature: float = 1.0, replay: str = "none") -> dict:
+             max_new_tokens: int = 32, seed: int = 0, temperature: float = 1.0, replay: str = "none",
+             trainer_mesh=None, engine_mesh=None) -> dict:
     """Attribute the trainer-engine gap to fields, parts and modules. Returns a JSON-ready report whose
-    `fields`, `parts` and `modules` lists are each sorted by contribution (largest first)."""
+    `fields`, `parts` and `modules` lists are each sorted by contribution (largest first).
+    `trainer_mesh` / `engine_mesh`: where each side's passes run (None = one device); the mesh difference
+    itself is then part of the baseline gap."""
     if replay not in ("none", "r3"):
         raise ValueError(f"replay = {replay!r}; allowed: none, r3")
     diff = trainer.diff(engine)
-    if not diff:
+    if not diff and trainer_mesh is None and engine_mesh is None:
         raise ValueError("trainer and engine policies are identical; there is nothing to localise")
     prompts = random_prompts(model.config.vocab_size, n_prompts, seed,
                              max_len=min(16, model.config.max_seq_len - max_new_tokens))
-    rollout = Engine(model, engine).generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+    rollout = Engine(model, engine, mesh=engine_mesh).generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                              seed=seed)
-    scorer = _Scorer(model, trainer, rollout.tokens, rollout.mask, temperature, replay)
+    scorer = _Scorer(model, trainer, rollout.tokens, rollout.mask, temperature, replay, trainer_mesh, engine_mesh)
     baseline = scorer.gap(engine)
 
     fields = []
@@ -93,5 +99,6 @@ def localize(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, 
                         "reduction": baseline["k3_kl"] - gap["k3_kl"]})
     modules.sort(key=lambda r: -r["reduction"])
     return {"trainer": str(trainer), "engine": str(engine), "replay": replay, "baseline": baseline,
+            "trainer_mesh": mesh_description(trainer_mesh), "engine_mesh": mesh_description(engine_mesh),
             "fields": fields, "parts": parts, "modules": modules, "n_tokens": int(rollout.mask.sum()),
-            "culprit": fields[0]["field"]}
+            "culprit": fields[0]["field"] if fields else "mesh"}

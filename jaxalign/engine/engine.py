@@ -3,6 +3,7 @@ engine receives a weight update) and generates with the compiled programs in `ke
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import Sequence
@@ -15,6 +16,7 @@ from flax import nnx
 from jaxalign.align.replay import RoutingRecord
 from jaxalign.engine import kernels
 from jaxalign.engine.rollout import Rollout
+from jaxalign.model.sharding import mesh_description, put_batch, shard_state, to_host
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy, cast_params, dtype
 from jaxalign.numerics.sampling import check_sampling
@@ -37,12 +39,15 @@ class Engine:
 
     `Engine(model, policy)` casts the model's f32 master weights to `policy.param_dtype` once;
     `sync_weights(model)` does it again after a training step. `generate(...)` never casts weights.
+    With a `mesh` (`jaxalign.make_mesh`), weights and KV cache are split over it as `model/sharding.py` says
+    and every program runs on it.
     """
 
-    def __init__(self, model: Transformer, policy: NumericPolicy):
+    def __init__(self, model: Transformer, policy: NumericPolicy, mesh: jax.sharding.Mesh | None = None):
         if not isinstance(policy, NumericPolicy):
             raise ValueError(f"policy must be a NumericPolicy, got {type(policy).__name__}")
         self.policy = policy
+        self.mesh = mesh
         self.config = model.config
         self.graphdef, _ = nnx.split(model)
         self.state = None
@@ -55,13 +60,19 @@ class Engine:
         if model.config != self.config:
             raise ValueError("sync_weights got a model with another config than this engine was built for")
         graphdef, state = nnx.split(model)
+        if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(state)):
+            state = jax.tree.map(to_host, state)  # weights from a multi-process trainer mesh
         if self.policy.lora == "merged" and has_lora(model):
             state = jax.tree.map(lambda x: x, state)  # fresh variables: the caller's model stays untouched
             copy = nnx.merge(graphdef, state)
             merge_lora_for_serving(copy, self.policy)
             _, state = nnx.split(copy)
         self.graphdef = graphdef
-        self.state = _cast_state(state, self.policy)
+        with self._on_mesh():
+            self.state = _cast_state(shard_state(state, self.mesh), self.policy)
+
+    def _on_mesh(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, batch_size, schedule,
                prefill_chunk) -> list[np.ndarray]:
@@ -122,6 +133,7 @@ class Engine:
                       temperature=float(temperature), top_k=top_k, top_p=None if top_p is None else float(top_p))
         compiles_before = kernels.compile_count()
         start = time.perf_counter()
+        put = functools.partial(put_batch, mesh=self.mesh)
         seq_len = p_max + max_new_tokens
         tokens = np.zeros((n, seq_len), np.int32)
         step_lp = np.zeros((n, seq_len), np.float32)  # entry p: logprob of the token at position p
@@ -134,10 +146,11 @@ class Engine:
             for first in range(0, n, slots):
                 rows = np.arange(first, min(first + slots, n))
                 pick = np.concatenate([rows, np.full(slots - len(rows), rows[0])])  # pad the last batch
-                out_tok, out_lp, gen, bufs = kernels.run_static(
-                    self.graphdef, self.state, jnp.asarray(padded[pick]), jnp.asarray(lens[pick]),
-                    jnp.asarray(ids[pick]), jnp.int32(seed), prefill_chunk=prefill_chunk, **static)
-                out_tok, out_lp, gen = np.asarray(out_tok), np.asarray(out_lp), np.asarray(gen)
+                with self._on_mesh():
+                    out_tok, out_lp, gen, bufs = kernels.run_static(
+                        self.graphdef, self.state, put(padded[pick]), put(lens[pick]), put(ids[pick]),
+                        jnp.int32(seed), prefill_chunk=prefill_chunk, **static)
+                out_tok, out_lp, gen = to_host(out_tok), to_host(out_lp), to_host(gen)
                 k = len(rows)
                 for j, i in enumerate(rows):
                     tokens[i, : lens[i]] = prompts[i]
@@ -145,16 +158,17 @@ class Engine:
                     step_lp[i, lens[i]: lens[i] + gen[j]] = out_lp[j, : gen[j]]
                 n_gen[rows] = gen[:k]
                 for dst, src in zip(routing, bufs):
-                    dst[rows] = np.asarray(src)[:k, :seq_len]
+                    dst[rows] = to_host(src)[:k, :seq_len]
         else:
-            tok_buf, lp_buf, gen, bufs = kernels.run_continuous(
-                self.graphdef, self.state, jnp.asarray(padded), jnp.asarray(lens), jnp.asarray(ids),
-                jnp.int32(seed), slots=slots, **static)
-            tokens[:] = np.asarray(tok_buf)[:, :seq_len]
-            step_lp[:] = np.asarray(lp_buf)[:, :seq_len]
-            n_gen[:] = np.asarray(gen)
+            with self._on_mesh():
+                tok_buf, lp_buf, gen, bufs = kernels.run_continuous(
+                    self.graphdef, self.state, put(padded), put(lens), put(ids), jnp.int32(seed), slots=slots,
+                    **static)
+            tokens[:] = to_host(tok_buf)[:, :seq_len]
+            step_lp[:] = to_host(lp_buf)[:, :seq_len]
+            n_gen[:] = to_host(gen)
             for dst, src in zip(routing, bufs):
-                dst[:] = np.asarray(src)[:, :seq_len]
+                dst[:] = to_host(src)[:, :seq_len]
         elapsed = time.perf_counter() - start
         pos = np.arange(seq_len)[None, :]
         in_completion = (pos >= lens[:, None]) & (pos < (lens + n_gen)[:, None])
@@ -166,6 +180,7 @@ class Engine:
             mask=in_completion[:, 1:], prompt_lens=lens, completion_lens=n_gen, finish_reasons=reasons,
             routing=RoutingRecord(indices=routing[0], weights=routing[1], margins=routing[2]),
             stats={"schedule": schedule, "batch_size": slots, "policy": str(self.policy), "seconds": elapsed,
+                   "mesh": mesh_description(self.mesh),
                    "new_tokens": int(n_gen.sum()), "compiles": kernels.compile_count() - compiles_before,
                    "cache_len": cache_len, "kv_cache_bytes": self.kv_cache_bytes(slots, cache_len)})
 
@@ -179,7 +194,7 @@ class Engine:
 def generate(model: Transformer, prompts, policy: NumericPolicy, *, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
              batch_size: int | None = None, schedule: str = "static",
-             prefill_chunk: int | None = None, request_ids=None) -> Rollout:
+             prefill_chunk: int | None = None, request_ids=None, mesh: jax.sharding.Mesh | None = None) -> Rollout:
     """Generate completions for `prompts` (a list of token-id sequences) under an engine `policy`.
 
     `temperature=0` is greedy. `schedule="static"` runs requests in batches of `batch_size` (default: all at
@@ -187,8 +202,8 @@ def generate(model: Transformer, prompts, policy: NumericPolicy, *, max_new_toke
     `prefill_chunk` prefills static batches C tokens at a time. Returns a `Rollout` with the engine's logprob of
     every sampled token (see `jaxalign.numerics.sampling` for what that logprob means) and the routing record.
     Random draws are keyed by (seed, request id, position); `request_ids` (default 0..n-1) names the requests,
-    so one request draws the same tokens whatever batch or slot it runs in.
+    so one request draws the same tokens whatever batch or slot it runs in. `mesh`: run sharded on it.
     """
-    return Engine(model, policy).generate(
+    return Engine(model, policy, mesh).generate(
         prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
         seed=seed, batch_size=batch_size, schedule=schedule, prefill_chunk=prefill_chunk, request_ids=request_ids)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, dtype
 from jaxalign.numerics.reduce import log_softmax
 from jaxalign.numerics.sampling import sampling_logprobs
@@ -29,7 +30,9 @@ def compile_count() -> int:
 def _empty_kv(cfg, batch: int, cache_len: int, policy: NumericPolicy):
     shape = (batch, cache_len, cfg.n_kv_heads, cfg.head_dim)
     kvdt = dtype(policy.kv_cache_dtype)
-    return [(jnp.zeros(shape, kvdt), jnp.zeros(shape, kvdt)) for _ in range(cfg.n_layers)]
+    axes = ("cache_batch", "cache_seq", "cache_kv_heads", None)  # split as model/sharding.py says, on a mesh
+    return [(constrain(jnp.zeros(shape, kvdt), axes), constrain(jnp.zeros(shape, kvdt), axes))
+            for _ in range(cfg.n_layers)]
 
 
 def _empty_routing(cfg, rows: int, cache_len: int):

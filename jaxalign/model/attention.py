@@ -8,6 +8,7 @@ from flax import nnx
 
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import Linear, RMSNorm
+from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, cast
 from jaxalign.numerics.attention import attention, rope
 
@@ -43,6 +44,9 @@ class Attention(nnx.Module):
         q = q.reshape(b, s, cfg.n_heads, cfg.head_dim)
         k = k.reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
         v = v.reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+        q = constrain(q, ("batch", "seq", "act_heads", None))
+        k = constrain(k, ("batch", "seq", "act_kv_heads", None))
+        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
         if cfg.qk_norm == "head":
             q, k = self.q_norm(q, policy), self.k_norm(k, policy)
         q = rope(q, positions, cfg.rope_theta, policy, cfg.rotary_dim)
@@ -55,6 +59,7 @@ class Attention(nnx.Module):
             keys = kv[0].at[rows, positions].set(k, mode="drop")
             values = kv[1].at[rows, positions].set(v, mode="drop")
             k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
+            keys, values = (constrain(c, ("cache_batch", "cache_seq", "cache_kv_heads", None)) for c in (keys, values))
             new_kv = (keys, values)
         out = attention(q, keys, values, positions, k_pos, policy)
         return self.o_proj(out.reshape(b, s, -1), policy), new_kv

@@ -14,7 +14,7 @@ from flax import nnx
 from jaxalign.numerics import NumericPolicy, as_compute, as_param
 from jaxalign.numerics.experts import swiglu
 from jaxalign.numerics.lora import lora_linear
-from jaxalign.numerics.matmul import matmul
+from jaxalign.numerics.matmul import add_bias, lookup, matmul
 from jaxalign.numerics.reduce import rms_norm
 
 
@@ -65,7 +65,7 @@ class Linear(nnx.Module):
         else:
             y = matmul(x, as_param(self.w[...], policy), policy)
         if self.b is not None:
-            y = y + as_compute(as_param(self.b[...], policy), policy)
+            y = add_bias(y, self.b[...], policy)
         return y
 
 
@@ -87,7 +87,7 @@ class Embedding(nnx.Module):
         self.table = param(rngs, (vocab, dim), ("vocab", "embed"), std=1.0)
 
     def __call__(self, tokens: jax.Array, policy: NumericPolicy) -> jax.Array:
-        return as_compute(as_param(self.table[...], policy)[tokens], policy)
+        return lookup(self.table[...], tokens, policy)
 
     def attend(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
         """Logits against the embedding table (tied LM head), in the policy's logits dtype."""

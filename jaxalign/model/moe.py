@@ -12,7 +12,7 @@ from jaxalign.model.layers import DenseMLP, Linear, param
 from jaxalign.numerics import NumericPolicy, as_param, cast
 from jaxalign.numerics.experts import combine, dispatch, sigmoid
 from jaxalign.numerics.matmul import matmul
-from jaxalign.numerics.reduce import reduce_sum, softmax
+from jaxalign.numerics.reduce import expand, reduce_sum, softmax
 
 
 def _group_limited(select: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -60,7 +60,7 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
         denom = reduce_sum(weights, policy, axis=-1, keepdims=True)
         if cfg.router == "sigmoid_grouped":
             denom = denom + jnp.asarray(1e-20, weights.dtype)
-        weights = weights / denom
+        weights = weights / expand(denom, -1, k, policy)
     if cfg.router == "sigmoid_grouped":
         weights = weights * jnp.asarray(cfg.routed_scaling_factor, weights.dtype)
     return idx, weights, margin

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxalign.align.replay import RoutingRecord
+from jaxalign.model.sharding import put_batch, shard_state
 from jaxalign.model.transformer import Transformer, check_tokens
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.sampling import check_sampling, sampling_logprobs
@@ -29,13 +31,27 @@ def _forward(graphdef, state, tokens, replay, *, policy):
     return nnx.merge(graphdef, state)(tokens, policy=policy, replay=replay)
 
 
-def forward(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, *, replay=None):
-    """Jitted full forward: (logits [B, S, V], RoutingRecord); compiled once per structure, policy and shape."""
-    arr = check_tokens(tokens, model.config)
+def on_mesh(model: Transformer, mesh: jax.sharding.Mesh | None):
+    """(graphdef, state) of `model`, with the state split over `mesh` by the sharding rules (if given)."""
     graphdef, state = nnx.split(model)
+    return graphdef, shard_state(state, mesh)
+
+
+def _mesh_context(mesh):
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def forward(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, *, replay=None,
+            mesh: jax.sharding.Mesh | None = None):
+    """Jitted full forward: (logits [B, S, V], RoutingRecord); compiled once per structure, policy and shape.
+    `mesh`: run sharded on it (parameters and batch split as `model/sharding.py` says)."""
+    arr = check_tokens(tokens, model.config)
+    graphdef, state = on_mesh(model, mesh)
     replay_idx = replay.indices if isinstance(replay, RoutingRecord) else replay
-    return _forward(graphdef, state, jnp.asarray(arr, jnp.int32),
-                    None if replay_idx is None else jnp.asarray(replay_idx, jnp.int32), policy=policy)
+    with _mesh_context(mesh):
+        return _forward(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh),
+                        None if replay_idx is None else put_batch(np.asarray(replay_idx, np.int32), mesh),
+                        policy=policy)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy", "temperature", "top_k", "top_p"))
@@ -46,11 +62,13 @@ def _jitted(graphdef, state, tokens, replay, *, policy, temperature, top_k, top_
 
 def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, *,
                    replay: RoutingRecord | jax.Array | None = None, temperature: float = 1.0,
-                   top_k: int | None = None, top_p: float | None = None) -> tuple[jax.Array, RoutingRecord]:
+                   top_k: int | None = None, top_p: float | None = None,
+                   mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, RoutingRecord]:
     """Logprob of each next token, [batch, seq-1], and the routing record of the forward pass.
 
     `tokens[:, t+1]` is scored given `tokens[:, :t+1]`, under the same distribution the engine samples from
     (see `jaxalign.numerics.sampling`). Compiled once per (model structure, policy, sampling params, shape).
+    `mesh`: run sharded on it (parameters and batch split as `model/sharding.py` says).
     """
     if not isinstance(policy, (NumericPolicy, PolicySchedule)):
         raise ValueError(f"policy must be a NumericPolicy (or PolicySchedule), got {type(policy).__name__}; "
@@ -68,7 +86,8 @@ def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySch
                              f"= [batch, seq, moe_layers, k]")
         if int(np.max(replay_idx)) >= cfg.n_experts:
             raise ValueError(f"replay indices reach {int(np.max(replay_idx))}; allowed: -1..{cfg.n_experts - 1}")
-        replay_idx = jnp.asarray(replay_idx, jnp.int32)
-    graphdef, state = nnx.split(model)
-    return _jitted(graphdef, state, jnp.asarray(arr, jnp.int32), replay_idx, policy=policy,
-                   temperature=float(temperature), top_k=top_k, top_p=top_p)
+        replay_idx = put_batch(np.asarray(replay_idx, np.int32), mesh)
+    graphdef, state = on_mesh(model, mesh)
+    with _mesh_context(mesh):
+        return _jitted(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh), replay_idx, policy=policy,
+                       temperature=float(temperature), top_k=top_k, top_p=top_p)

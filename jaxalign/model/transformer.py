@@ -12,11 +12,13 @@ from jaxalign.model.attention import Attention
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Embedding, Linear, RMSNorm
 from jaxalign.model.moe import MoE
+from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, as_compute, as_param
 from jaxalign.numerics.schedule import PolicySchedule, policy_for
 from jaxalign.numerics.matmul import matmul
 
 KV = tuple[jax.Array, jax.Array]
+ACTIVATION = ("batch", "seq", "act_embed")  # the residual stream between layers (model/sharding.py)
 
 
 class Block(nnx.Module):
@@ -93,7 +95,7 @@ class Transformer(nnx.Module):
         if replay_idx is not None and tuple(replay_idx.shape) != (b, s, cfg.n_moe_layers, cfg.top_k):
             raise ValueError(f"replay indices have shape {tuple(replay_idx.shape)}; expected "
                              f"{(b, s, cfg.n_moe_layers, cfg.top_k)} = [batch, seq, moe_layers, k]")
-        x = self.embed(tokens, policy_for(policy, "embed"))
+        x = constrain(self.embed(tokens, policy_for(policy, "embed")), ACTIVATION)
         new_kv, records = [], []
         for i, block in enumerate(self.blocks):
             layer_replay = None
@@ -101,6 +103,7 @@ class Transformer(nnx.Module):
                 layer_replay = replay_idx[:, :, len(records)]
             layer_kv = None if kv is None else kv[i]
             x, layer_kv, routing = block(x, positions, policy, layer_kv, layer_replay, layer=i)
+            x = constrain(x, ACTIVATION)
             new_kv.append(layer_kv)
             if routing is not None:
                 records.append(routing)
@@ -110,6 +113,7 @@ class Transformer(nnx.Module):
             logits = self.embed.attend(x, head)
         else:
             logits = matmul(x, as_param(self.lm_head.w[...], head), head, out_dtype=head.logits_dtype)
+        logits = constrain(logits, ("batch", "seq", "act_vocab"))
         record = RoutingRecord(indices=jnp.stack([r[0] for r in records], axis=2),
                                weights=jnp.stack([r[1] for r in records], axis=2),
                                margins=jnp.stack([r[2] for r in records], axis=2))

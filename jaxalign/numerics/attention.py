@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxalign.numerics.collectives import local_reduce
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import as_compute, cast, dtype
 from jaxalign.numerics.reduce import reduce_sum, tree_sum
@@ -70,6 +71,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     """
     b, nq, h, d = q.shape
     kvh = k.shape[2]
+    # the q.k products sum over head_dim and the value products over keys: keep both on one device (ordered)
+    q = local_reduce(q, policy, (3,))
+    k, v = local_reduce(k, policy, (1, 3)), local_reduce(v, policy, (1,))
     qg = q.reshape(b, nq, kvh, h // kvh, d)
     visible = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None, None]  # [B, 1, 1, Q, K]
     chunk = policy.attention_chunk

@@ -88,6 +88,29 @@ def _dispatch_capacity(x, idx, w_gate, w_up, w_down, policy):
     return y.reshape(n, k, -1), kept.reshape(n, k)
 
 
+def _gate(y: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """y [N, k, H] * w [N, k] (broadcast over H). Its gradient for w sums over H; with `reduction=tree` that sum
+    is the policy's tree (XLA's own reduce orders the adds by how it fused the backward, which differs between
+    programs), so the router's gradient is as reproducible as the forward."""
+    if policy.reduction != "tree":
+        return y * w[..., None]
+
+    @jax.custom_vjp
+    def gate(y, w):
+        return y * w[..., None]
+
+    def fwd(y, w):
+        return gate(y, w), (y, w)
+
+    def bwd(res, g):
+        y, w = res
+        g = g.astype(y.dtype)
+        return g * w[..., None], reduce_sum(g * y, policy, axis=-1).astype(w.dtype)
+
+    gate.defvjp(fwd, bwd)
+    return gate(y, w)
+
+
 def combine(y: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int,
             policy: NumericPolicy) -> jax.Array:
     """Weighted sum of the k expert outputs per token: y [N, k, H], idx/weights [N, k] -> [N, H] (compute dtype).
@@ -97,7 +120,7 @@ def combine(y: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int,
     """
     acc = dtype(policy.combine_acc_dtype)
     wdt = policy.combine_weight_dtype
-    products = cast(cast(y, wdt) * cast(weights, wdt)[..., None], policy.combine_acc_dtype)  # [N, k, H]
+    products = cast(_gate(cast(y, wdt), cast(weights, wdt), policy), policy.combine_acc_dtype)  # [N, k, H]
     if policy.combine_order == "slot":
         out = products[:, 0]
         for j in range(1, products.shape[1]):

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxalign.numerics.collectives import gather_axes, local_reduce, mesh_active, ordered_vjp, with_parameter
 from jaxalign.numerics.policy import NumericPolicy
-from jaxalign.numerics.dtypes import cast
+from jaxalign.numerics.dtypes import as_compute, as_param, cast
 
 ACC_CHUNK = 16
 
@@ -50,8 +51,10 @@ def _rows(x2d: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
         return _dot(x2d, w, policy)
     m, k = x2d.shape
     pad = (-m) % tile
-    tiles = jnp.pad(x2d, ((0, pad), (0, 0))).reshape(-1, tile, k)
-    out = lax.map(lambda t: _dot(t, w, policy), tiles)
+    # a whole tile stays on one device: split rows would be multiplied by a smaller kernel, with other bits
+    tiles = gather_axes(jnp.pad(x2d, ((0, pad), (0, 0))).reshape(-1, tile, k), (1, 2))
+    # ... and its product too (the partitioner may otherwise split the dot by the rows its consumers want)
+    out = gather_axes(lax.map(lambda t: gather_axes(_dot(t, w, policy), (0,)), tiles), (1,))
     return out.reshape(-1, w.shape[-1])[:m]
 
 
@@ -64,7 +67,10 @@ def matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy, *, operand_dtype: 
     """
     op = operand_dtype or policy.compute_dtype
     lead = x.shape[:-1]
-    y = _rows(cast(x.reshape(-1, x.shape[-1]), op), cast(w, op), policy)
+    product = lambda a, b: _rows(a, b, policy)  # noqa: E731
+    if policy.cross_device == "ordered" and mesh_active():
+        product = ordered_vjp(product, ((1,), (0,)))  # K gathered; weight gradients summed on one device
+    y = product(cast(x.reshape(-1, x.shape[-1]), op), cast(w, op))
     return cast(y.reshape(lead + (w.shape[-1],)), out_dtype or policy.compute_dtype)
 
 
@@ -78,14 +84,15 @@ def expert_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Arra
 def gathered_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
     """Per-row weights: x [N, k, K] @ w [N, k, K, M] -> [N, k, M] (float32 accumulation, compute dtype out)."""
     cdt = policy.compute_dtype
+    x, w = local_reduce(x, policy, (2,)), local_reduce(w, policy, (2,))
     y = jnp.einsum("nkc,nkcm->nkm", cast(x, cdt), cast(w, cdt), preferred_element_type=jnp.float32)
     return cast(y, cdt)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
     """Rows sorted by expert: x [R, K], w [E, K, N], group_sizes [E] -> [R, N] (lax.ragged_dot)."""
-    x = cast(x, policy.compute_dtype)
-    w = cast(w, policy.compute_dtype)
+    x = cast(local_reduce(x, policy, (1,)), policy.compute_dtype)
+    w = cast(local_reduce(w, policy, (1,)), policy.compute_dtype)
     if policy.matmul_acc not in ("bf16", "f16"):
         y = lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
     else:
@@ -95,3 +102,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: N
                                        preferred_element_type=jnp.float32), policy.matmul_acc)
             y = part if y is None else y + part
     return cast(y, policy.compute_dtype)
+
+
+def add_bias(y: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """y + b, the bias cast to the parameter then the compute dtype."""
+    return with_parameter(lambda a, bias: a + as_compute(as_param(bias, policy), policy), policy)(y, b)
+
+
+def lookup(table: jax.Array, ids: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """Rows `ids` of an embedding table, in the compute dtype (its gradient is a scatter-add over ids)."""
+    return with_parameter(lambda t, i: as_compute(as_param(t, policy)[i], policy), policy)(table, ids)

@@ -97,6 +97,10 @@ FIELDS: dict[str, _Field] = {
     "lora": _Field("lora", "merged|unmerged", _one_of("merged", "unmerged"),
                    "LoRA adapters folded into the weights (rounded to the param dtype) or applied as a separate "
                    "low-rank path"),
+    "cross_device": _Field("xdev", "xla|ordered", _one_of("xla", "ordered"),
+                           "sums over an axis split across devices: xla = the partitioner's partial sums and "
+                           "all-reduce (order depends on the mesh); ordered = the axis is gathered first and summed "
+                           "on one device in the single-device order (bitwise equal to one device for any mesh)"),
 }
 _BY_KEY = {f.key: name for name, f in FIELDS.items()}
 
@@ -124,6 +128,7 @@ class NumericPolicy:
     kv_cache_dtype: str = "f32"
     logits_dtype: str = "f32"
     lora: str = "merged"
+    cross_device: str = "xla"
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():
@@ -229,8 +234,9 @@ PRESETS: dict[str, NumericPolicy] = {
     # trainer logprobs are bitwise identical, while matmuls stay bf16. RoPE and gate weights are bf16 so every
     # product that feeds an add is exact in f32: XLA:CPU contracts a*b+c into an FMA or not depending on
     # fusion, and only exact products make both roundings agree (docs/policies.md).
+    # Cross-device sums are ordered, so the bits do not depend on the mesh either (docs/scaling.md).
     "aligned-bf16": _bf16_compute(matmul_kernel="tiled:8", reduction="tree", rope_dtype="bf16",
-                                  combine_weight_dtype="bf16"),
+                                  combine_weight_dtype="bf16", cross_device="ordered"),
     # Both sides in float16 (Qi et al. 2025); f32 norms, router, softmax and logits.
     "fp16": NumericPolicy(param_dtype="f16", compute_dtype="f16", kv_cache_dtype="f16"),
     # transformers' eager attention and expert loop: RoPE rotation and q.k scores in bf16, router linear in bf16, weights cast back to bf16, one expert at a time,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxalign.numerics.collectives import local_reduce, with_parameter
 from jaxalign.numerics.dtypes import as_compute, as_param, cast
 from jaxalign.numerics.policy import NumericPolicy
 
@@ -32,10 +33,34 @@ def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
 
 
 def reduce_sum(x: jax.Array, policy: NumericPolicy, axis: int = -1, keepdims: bool = False) -> jax.Array:
-    """Sum over one axis in x's dtype, in the order the policy's `reduction` names."""
+    """Sum over one axis in x's dtype, in the order the policy's `reduction` names (and, on a mesh, where its
+    `cross_device` field says)."""
+    x = local_reduce(x, policy, (axis,))
     if policy.reduction == "tree":
         return tree_sum(x, axis, keepdims)
     return jnp.sum(x, axis=axis, keepdims=keepdims, dtype=x.dtype)
+
+
+def expand(x: jax.Array, axis: int, size: int, policy: NumericPolicy) -> jax.Array:
+    """x's size-1 `axis` broadcast to `size` (a keepdims sum or norm about to meet the full array).
+
+    The gradient of a broadcast is a sum over the broadcast axis. With `reduction=tree` that sum is the tree
+    too: XLA's own reduce orders its adds by how the backward program was fused, so without this the same
+    gradient got different bits in differently compiled programs (e.g. a mesh's)."""
+    shape = list(x.shape)
+    shape[axis] = size
+    if policy.reduction != "tree":
+        return jnp.broadcast_to(x, shape)
+
+    @jax.custom_vjp
+    def broadcast(v):
+        return jnp.broadcast_to(v, shape)
+
+    def bwd(_, g):
+        return (tree_sum(g, axis, keepdims=True),)
+
+    broadcast.defvjp(lambda v: (broadcast(v), None), bwd)
+    return broadcast(x)
 
 
 def softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str, axis: int = -1) -> jax.Array:
@@ -43,20 +68,27 @@ def softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str, axis: int = -1
     x = cast(x, dtype_name)
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     e = jnp.exp(shifted)
-    return e / reduce_sum(e, policy, axis=axis, keepdims=True)
+    return e / expand(reduce_sum(e, policy, axis=axis, keepdims=True), axis, x.shape[axis], policy)
 
 
 def log_softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str = "f32", axis: int = -1) -> jax.Array:
     """log-softmax computed in `dtype_name` (f32 by default, for logprobs)."""
     x = cast(x, dtype_name)
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
-    return shifted - jnp.log(reduce_sum(jnp.exp(shifted), policy, axis=axis, keepdims=True))
+    log_total = jnp.log(reduce_sum(jnp.exp(shifted), policy, axis=axis, keepdims=True))
+    return shifted - expand(log_total, axis, x.shape[axis], policy)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, policy: NumericPolicy, eps: float) -> jax.Array:
     """RMSNorm over the last axis: normalised in `norm_dtype`, cast to the compute dtype, then times the weight
     (in the compute dtype, as transformers does)."""
     xn = cast(x, policy.norm_dtype)
-    mean_sq = reduce_sum(xn * xn, policy, axis=-1, keepdims=True) / xn.shape[-1]
-    normed = xn * jax.lax.rsqrt(mean_sq + jnp.asarray(eps, xn.dtype))
-    return as_compute(normed, policy) * as_compute(as_param(weight, policy), policy)
+    squares = xn * xn
+    if policy.reduction == "tree":
+        # materialise the squares: inside one fusion LLVM may contract a*a + b*b into an FMA (one rounding
+        # instead of two) depending on how the program was fused -- a sharded program fuses differently
+        squares = jax.lax.optimization_barrier(squares)
+    mean_sq = reduce_sum(squares, policy, axis=-1, keepdims=True) / xn.shape[-1]
+    normed = xn * expand(jax.lax.rsqrt(mean_sq + jnp.asarray(eps, xn.dtype)), -1, xn.shape[-1], policy)
+    scale = lambda n, w: as_compute(n, policy) * as_compute(as_param(w, policy), policy)  # noqa: E731
+    return with_parameter(scale, policy)(normed, weight)

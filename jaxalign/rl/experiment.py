@@ -48,6 +48,8 @@ class ExperimentConfig:
     eval_every: int = 5
     eval_problems: int = 64
     sft: SFTConfig = SFTConfig()
+    trainer_mesh: str = ""  # e.g. "data=2,expert=2,tensor=2"; "" = one device
+    engine_mesh: str = ""
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
@@ -66,7 +68,8 @@ def run_config(exp: ExperimentConfig, arm: str, seed: int) -> RLConfig:
                     learning_rate=exp.learning_rate, grpo=GRPOConfig(group_size=exp.group_size),
                     correction=CorrectionConfig(is_threshold=exp.is_threshold, rs=tuple(exp.rs)), seed=seed,
                     eval_every=exp.eval_every, eval_problems=exp.eval_problems,
-                    checkpoint_every=max(1, exp.steps // 3))
+                    checkpoint_every=max(1, exp.steps // 3), trainer_mesh=exp.trainer_mesh,
+                    engine_mesh=exp.engine_mesh)
 
 
 def run_experiment(exp: ExperimentConfig, out_dir: str, *, progress: bool = True) -> dict:

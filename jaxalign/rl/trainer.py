@@ -9,6 +9,7 @@ resumable checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,8 +25,11 @@ from flax import nnx
 from jaxalign.align.routing import routing_metrics
 from jaxalign.engine import Engine
 from jaxalign.model.scoring import sequence_logprobs, token_logprobs
+from jaxalign.model.sharding import (make_mesh, parse_mesh_spec, put_batch, put_global, replicated, shard_state,
+                                     state_shardings, to_host)
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics.collectives import replicate
 from jaxalign.rl import countdown, tokenizer
 from jaxalign.rl.correction import CorrectionConfig, correct
 from jaxalign.rl.grpo import GRPOConfig, group_advantages, policy_loss
@@ -61,10 +65,14 @@ class RLConfig:
     lora_rank: int = 0  # 0 = full fine-tuning
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    trainer_mesh: str = ""  # a mesh spec (`jaxalign.make_mesh`), e.g. "data=2,expert=2,tensor=2"; "" = one device
+    engine_mesh: str = ""  # with several processes: a mesh over each process's own devices
 
     def __post_init__(self):
         NumericPolicy.parse(self.trainer_policy)
         NumericPolicy.parse(self.engine_policy)
+        parse_mesh_spec(self.trainer_mesh)
+        parse_mesh_spec(self.engine_mesh)
         if self.mode not in MODES:
             raise ValueError(f"mode = {self.mode!r}; allowed: {', '.join(MODES)}")
         if self.replay not in REPLAYS:
@@ -123,14 +131,19 @@ class Trainer:
             if not has_lora(model):
                 add_lora(model, config.lora_rank, config.lora_alpha, config.lora_targets, seed=config.seed)
         self.trainer_policy = NumericPolicy.parse(config.trainer_policy)
-        self.engine = Engine(model, NumericPolicy.parse(config.engine_policy))
+        self.mesh = make_mesh(config.trainer_mesh) if config.trainer_mesh else None
+        engine_devices = jax.local_devices() if jax.process_count() > 1 else None
+        engine_mesh = make_mesh(config.engine_mesh, engine_devices) if config.engine_mesh else None
+        self.engine = Engine(model, NumericPolicy.parse(config.engine_policy), mesh=engine_mesh)
         self.graphdef, self.params = nnx.split(model)
+        self.params = shard_state(self.params, self.mesh)
+        nnx.update(self.model, self.params)
         # the frozen reference for the optional KL penalty: the weights the run starts from
         self.reference = (nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.params))
                           if config.grpo.kl_coef > 0 else None)
         self.optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip,
                                         lora_only=bool(config.lora_rank))
-        self.opt_state = self.optimizer.init(self.params)
+        self.opt_state = self._shard_opt_state(self.optimizer.init(self.params))
         self.width = PROMPT_WIDTH + config.max_new_tokens
         self.step = 0
         os.makedirs(run_dir, exist_ok=True)
@@ -139,7 +152,25 @@ class Trainer:
             options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
         self.eval_problems = countdown.generate_problems(config.eval_problems, seed=1_000_003 + config.seed,
                                                          count=config.problem_count)
-        self._update = jax.jit(self._update_fn)
+        self._update = self._compile_update()
+
+    # --- placement ------------------------------------------------------------------------------------------
+    def _shard_opt_state(self, opt_state):
+        """Optimizer moments split like their parameters; counters replicated."""
+        if self.mesh is None:
+            return opt_state
+        keystr = jax.tree_util.keystr
+        by_path = {keystr(path): s for path, s in jax.tree_util.tree_flatten_with_path(
+            state_shardings(self.params, self.mesh))[0]}
+
+        def place(path, x):
+            name = keystr(path)
+            match = [s for p, s in by_path.items() if name.endswith(p)]  # mu[...]/nu[...] end with a param path
+            return put_global(x, match[0] if match else replicated(self.mesh))
+        return jax.tree_util.tree_map_with_path(place, opt_state)
+
+    def _on_mesh(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     # --- state ----------------------------------------------------------------------------------------------
     def _state_tree(self):
@@ -169,14 +200,37 @@ class Trainer:
     def _update_fn(self, params, opt_state, tokens, replay, logp_old, advantages, weights, mask, logp_ref):
         cfg = self.config
 
+        ordered = self.trainer_policy.cross_device == "ordered"
+
         def loss_fn(p):
             lp, _ = sequence_logprobs(nnx.merge(self.graphdef, p), tokens, self.trainer_policy, replay=replay,
                                       temperature=cfg.temperature)
-            return policy_loss(lp, logp_old, advantages, weights, mask, cfg.grpo, logp_ref=logp_ref)
+            per_token = (lp, logp_old, advantages, weights, mask, logp_ref)
+            if ordered:  # the loss sums over the whole batch: on one device, in the one-device order
+                per_token = replicate(per_token)
+            return policy_loss(*per_token[:5], cfg.grpo, logp_ref=per_token[5])
 
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        if ordered:  # the clipping norm sums over every (sharded) gradient: replicated, it sums in one place
+            grads, params, opt_state = replicate((grads, params, opt_state))
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, stats, optax.tree.norm(grads)
+
+    def _compile_update(self):
+        """The jitted update; on a mesh its outputs keep the parameters' and optimizer state's placement."""
+        if self.mesh is None:
+            return jax.jit(self._update_fn)
+        shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+        return jax.jit(self._update_fn, out_shardings=(shardings(self.params), shardings(self.opt_state),
+                                                       None, None, None))
+
+    def _apply_update(self, *batch):
+        """Run the update on (params, opt_state, *batch) on the trainer's mesh (rows of the batch split)."""
+        if self.mesh is None:
+            return self._update(self.params, self.opt_state, *(None if b is None else jnp.asarray(b) for b in batch))
+        with self._on_mesh():
+            return self._update(self.params, self.opt_state,
+                                *(None if b is None else put_batch(b, self.mesh) for b in batch))
 
     def _problems(self, step: int) -> list[countdown.Problem]:
         return countdown.generate_problems(self.config.prompts_per_step, seed=self.config.seed * 100_003 + step,
@@ -198,23 +252,22 @@ class Trainer:
         mask = pad_to(rollout.mask, self.width - 1, 1, False)
         engine_routes = pad_to(np.asarray(rollout.routing.indices), self.width, 1, -1)
         lp_old, old_record = token_logprobs(self.model, tokens, self.trainer_policy, temperature=cfg.temperature,
-                                            replay=engine_routes if cfg.replay == "r3" else None)
-        lp_old = np.asarray(lp_old)
-        replay = {"none": None, "r3": engine_routes, "r2": np.asarray(old_record.indices)}[cfg.replay]
+                                            replay=engine_routes if cfg.replay == "r3" else None, mesh=self.mesh)
+        lp_old, old_indices = to_host(lp_old), to_host(old_record.indices)
+        replay = {"none": None, "r3": engine_routes, "r2": old_indices}[cfg.replay]
         logp_behaviour = logp_rollout if cfg.mode == "bypass" else lp_old  # the PPO ratio's denominator
         weights, accept, corr_metrics = correct(lp_old, logp_rollout, mask, cfg.correction)
         if cfg.mode == "bypass":
             weights = accept.astype(np.float32)  # pi_old := pi_rollout: the PPO ratio carries the mismatch
         logp_ref = None
         if self.reference is not None:
-            logp_ref = jnp.asarray(token_logprobs(self.reference, tokens, self.trainer_policy,
-                                                  temperature=cfg.temperature, replay=replay)[0])
+            logp_ref = to_host(token_logprobs(self.reference, tokens, self.trainer_policy,
+                                              temperature=cfg.temperature, replay=replay, mesh=self.mesh)[0])
         forwarded = (engine_routes >= 0).all(-1).all(-1)
-        flips = routing_metrics(engine_routes, np.asarray(old_record.indices), valid=forwarded)
-        params, opt_state, loss, stats, gnorm = self._update(
-            self.params, self.opt_state, jnp.asarray(tokens), None if replay is None else jnp.asarray(replay),
-            jnp.asarray(logp_behaviour, jnp.float32), jnp.asarray(advantages), jnp.asarray(weights), jnp.asarray(accept),
-            logp_ref)
+        flips = routing_metrics(engine_routes, old_indices, valid=forwarded)
+        params, opt_state, loss, stats, gnorm = self._apply_update(
+            tokens, replay, np.asarray(logp_behaviour, np.float32), np.asarray(advantages), np.asarray(weights),
+            np.asarray(accept), logp_ref)
         loss, gnorm = float(loss), float(gnorm)
         if not (np.isfinite(loss) and np.isfinite(gnorm)):
             if self.checkpoints.latest_step() != self.step:
