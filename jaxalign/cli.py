@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "host_devices", None) is not None:
             _fake_host_devices(args.host_devices)
+        from jaxalign.distributed import initialize_from_env
+        initialize_from_env()  # a no-op unless the environment names a multi-process job (docs/scaling.md)
         return args.func(args)
     except ValueError as err:
         print(f"jaxalign {args.command}: error: {err}", file=sys.stderr)

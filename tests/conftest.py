@@ -11,6 +11,11 @@ from flax import nnx
 from jaxalign import ModelConfig, Transformer
 from jaxalign.model.scoring import forward
 
+import os
+
+# tests/multidevice/ needs 8 fake devices, set before JAX starts: tests/test_meshes.py runs it in its own process
+collect_ignore = [] if os.environ.get("JAXALIGN_MULTIDEVICE") == "1" else ["multidevice"]
+
 FAMILY_PRESETS = ("tiny", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe")
 
 

@@ -9,12 +9,12 @@ import pytest
 from flax import nnx
 
 from jaxalign.model.config import ModelConfig
-from jaxalign.rl.correction import CorrectionConfig
 from jaxalign.rl.grpo import GRPOConfig
-from jaxalign.rl.sft import SFTConfig, warm_start
+from jaxalign.rl.sft import warm_start
 from jaxalign.rl.trainer import RLConfig, Trainer
 
-SFT = SFTConfig(problems=300, steps=30)
+from rl_settings import SFT, rl_config, strip_timing
+
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +32,7 @@ def _model(base):
 
 
 def _config(**kw):
-    defaults = dict(steps=4, prompts_per_step=4, grpo=GRPOConfig(group_size=2), max_new_tokens=20,
-                    checkpoint_every=2, eval_every=2, eval_problems=8,
-                    correction=CorrectionConfig(rs=("seq_mean_k1:0.999_1.001",)))
-    defaults.update(kw)
-    return RLConfig(**defaults)
-
-
-def _strip(rows):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    return rl_config(**{"steps": 4, "eval_every": 2, **kw})
 
 
 def test_warm_start_is_cached_and_scores(base, tmp_path):
@@ -70,14 +62,14 @@ def test_resume_is_exact_and_runs_are_deterministic(base, tmp_path):
     straight = Trainer(_model(base), cfg, str(tmp_path / "straight"))
     rows_straight = straight.run(progress=False)
     again = Trainer(_model(base), cfg, str(tmp_path / "again")).run(progress=False)
-    assert _strip(again) == _strip(rows_straight)  # same seed -> same metrics
+    assert strip_timing(again) == strip_timing(rows_straight)  # same seed -> same metrics
     interrupted = Trainer(_model(base), cfg, str(tmp_path / "resumed"))
     interrupted.run(progress=False, stop_after=2)
     assert interrupted.step == 2
     resumed = Trainer(_model(base), cfg, str(tmp_path / "resumed"))  # a fresh process would do this
     rows_resumed = resumed.run(progress=False)
     assert resumed.step == 4
-    assert _strip(rows_resumed) == _strip(rows_straight)
+    assert strip_timing(rows_resumed) == strip_timing(rows_straight)
     for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxalign.numerics import NumericPolicy, as_compute, as_param
+from jaxalign.numerics import NumericPolicy, as_param
 from jaxalign.numerics.experts import swiglu
 from jaxalign.numerics.lora import lora_linear
 from jaxalign.numerics.matmul import add_bias, lookup, matmul

@@ -87,5 +87,7 @@ def warm_start(model_config: ModelConfig, cfg: SFTConfig, cache_dir: str, *, pro
         rows = rng.choice(len(tokens), cfg.batch_size, replace=False)
         params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens[rows]), jnp.asarray(mask[rows]))
     nnx.update(model, params)
-    save_model(model, path, overwrite=True)
+    from jaxalign.distributed import is_primary
+    if is_primary():  # with several processes, every one trains the same model; one writes the cache
+        save_model(model, path, overwrite=True)
     return model

@@ -300,16 +300,21 @@ class Trainer:
         from tensorboardX import SummaryWriter
         from tqdm import tqdm
 
+        from jaxalign.distributed import is_primary
+
         if resume:
             self.restore_latest()
+        primary = is_primary()  # with several processes, one writes the metrics, config and TensorBoard files
+        progress = progress and primary
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         rows = []
         if os.path.exists(metrics_path):
             with open(metrics_path) as f:
                 rows = [r for r in map(json.loads, f) if r["step"] <= self.step]
-        with open(os.path.join(self.run_dir, "config.json"), "w") as f:
-            json.dump(self.config.to_dict(), f, indent=2)
-        writer = SummaryWriter(os.path.join(self.run_dir, "tb"))
+        if primary:
+            with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+                json.dump(self.config.to_dict(), f, indent=2)
+        writer = SummaryWriter(os.path.join(self.run_dir, "tb")) if primary else None
         if self.step == 0 and not rows:
             rows.append({"step": 0, "eval_reward": self.evaluate()})
         last = self.config.steps if stop_after is None else min(self.config.steps, self.step + stop_after)
@@ -321,7 +326,7 @@ class Trainer:
                     row["eval_reward"] = self.evaluate()
                 rows.append(row)
                 for key, value in row.items():
-                    if key != "step" and isinstance(value, (int, float)):
+                    if writer is not None and key != "step" and isinstance(value, (int, float)):
                         writer.add_scalar(key, value, self.step)
                 if self.step % self.config.checkpoint_every == 0 or self.step == last:
                     self.save()
@@ -329,8 +334,12 @@ class Trainer:
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", kl=f"{row['rollout_corr/kl']:.1e}")
         finally:
             bar.close()
-            writer.close()
-            with open(metrics_path, "w") as f:
-                for r in rows:
-                    f.write(json.dumps(r) + "\n")
+            if primary:
+                writer.close()
+                with open(metrics_path, "w") as f:
+                    for r in rows:
+                        f.write(json.dumps(r) + "\n")
+            if jax.process_count() > 1:  # the others may read these files next (a resumed run)
+                from jax.experimental import multihost_utils
+                multihost_utils.sync_global_devices(f"metrics written at step {self.step}")
         return rows

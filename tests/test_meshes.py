@@ -1,0 +1,73 @@
+"""Device meshes on 8 fake CPU devices. XLA reads the device count when JAX starts, so these run in fresh
+processes: tests/multidevice/ under pytest with XLA_FLAGS set, and the CLI with --host-devices."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxalign.model.sharding import make_mesh, parse_mesh_spec, spec_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(**extra):
+    """This process's environment without its XLA_FLAGS (set before our JAX started), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.slow
+def test_multidevice_suite_on_eight_fake_devices():
+    env = _env(JAXALIGN_MULTIDEVICE="1", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.join(ROOT, "tests", "multidevice")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+def _cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "jaxalign.cli", *args], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_compare_between_differently_parallelised_trainer_and_engine():
+    common = ("compare", "--model", "tiny", "--prompts", "8", "--max-new-tokens", "8", "--json", "--host-devices", "8")
+    aligned = json.loads(_cli(*common, "--trainer", "aligned-bf16", "--engine", "aligned-bf16",
+                              "--trainer-mesh", "fsdp=4,tensor=2", "--engine-mesh", "tensor=8"))
+    assert (aligned["trainer_mesh"], aligned["engine_mesh"]) == ("fsdp=4,tensor=2", "tensor=8")
+    assert aligned["runs"][0]["max_abs_logp_diff"] == 0.0
+    assert aligned["runs"][0]["route_flip_rate"] == 0.0
+    serve = json.loads(_cli(*common, "--trainer", "serve-bf16", "--engine", "serve-bf16",
+                            "--engine-mesh", "tensor=8"))
+    assert serve["policy_diff"] == [] and serve["runs"][0]["max_abs_logp_diff"] > 0  # parallelism alone
+
+
+def test_cli_rejects_a_bad_mesh_spec(capsys):
+    from jaxalign.cli import main
+    with pytest.raises(SystemExit):
+        main(["compare", "--trainer-mesh", "model=2"])
+    assert "expected AXIS=SIZE" in capsys.readouterr().err
+
+
+def test_mesh_spec_errors_and_rules():
+    assert parse_mesh_spec("data=2,tensor=4") == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 4}
+    for bad, says in [("tensor=0", "positive int"), ("tensor", "AXIS=SIZE"), ("pipeline=2", "AXIS=SIZE"),
+                      ("data=2,data=2", "twice")]:
+        with pytest.raises(ValueError, match=says):
+            parse_mesh_spec(bad)
+    with pytest.raises(ValueError, match="needs 64 devices"):
+        make_mesh("data=64")
+    with pytest.raises(ValueError, match="no sharding rule"):
+        spec_for(("heads_typo",), {"tensor": 2})
+    # a mesh axis divides a dimension or leaves it unsplit; one mesh axis at most once per array
+    assert tuple(spec_for(("embed", "q_heads"), {"fsdp": 4, "tensor": 2}, (32, 32))) == ("fsdp", "tensor")
+    assert tuple(spec_for(("kv_heads",), {"tensor": 4}, (2,))) == (None,)
+    assert tuple(spec_for(("batch", "seq"), {"data": 2, "fsdp": 2}, (8, 5))) == (("data", "fsdp"), None)
