@@ -3,7 +3,6 @@ engine receives a weight update) and generates with the compiled programs in `ke
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from typing import Sequence
@@ -16,7 +15,7 @@ from flax import nnx
 from jaxalign.align.replay import RoutingRecord
 from jaxalign.engine import kernels
 from jaxalign.engine.rollout import Rollout
-from jaxalign.model.sharding import mesh_description, put_batch, shard_state, to_host
+from jaxalign.model.sharding import mesh_context, mesh_description, put_batch, shard_state, to_host
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy, cast_params, dtype
 from jaxalign.numerics.sampling import check_sampling
@@ -68,11 +67,8 @@ class Engine:
             merge_lora_for_serving(copy, self.policy)
             _, state = nnx.split(copy)
         self.graphdef = graphdef
-        with self._on_mesh():
+        with mesh_context(self.mesh):
             self.state = _cast_state(shard_state(state, self.mesh), self.policy)
-
-    def _on_mesh(self):
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, batch_size, schedule,
                prefill_chunk) -> list[np.ndarray]:
@@ -146,7 +142,7 @@ class Engine:
             for first in range(0, n, slots):
                 rows = np.arange(first, min(first + slots, n))
                 pick = np.concatenate([rows, np.full(slots - len(rows), rows[0])])  # pad the last batch
-                with self._on_mesh():
+                with mesh_context(self.mesh):
                     out_tok, out_lp, gen, bufs = kernels.run_static(
                         self.graphdef, self.state, put(padded[pick]), put(lens[pick]), put(ids[pick]),
                         jnp.int32(seed), prefill_chunk=prefill_chunk, **static)
@@ -160,7 +156,7 @@ class Engine:
                 for dst, src in zip(routing, bufs):
                     dst[rows] = to_host(src)[:k, :seq_len]
         else:
-            with self._on_mesh():
+            with mesh_context(self.mesh):
                 tok_buf, lp_buf, gen, bufs = kernels.run_continuous(
                     self.graphdef, self.state, put(padded), put(lens), put(ids), jnp.int32(seed), slots=slots,
                     **static)

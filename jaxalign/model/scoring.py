@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -11,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jaxalign.align.replay import RoutingRecord
-from jaxalign.model.sharding import put_batch, shard_state
+from jaxalign.model.sharding import mesh_context, put_batch, shard_state
 from jaxalign.model.transformer import Transformer, check_tokens
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.sampling import check_sampling, sampling_logprobs
@@ -37,10 +36,6 @@ def on_mesh(model: Transformer, mesh: jax.sharding.Mesh | None):
     return graphdef, shard_state(state, mesh)
 
 
-def _mesh_context(mesh):
-    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-
-
 def forward(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, *, replay=None,
             mesh: jax.sharding.Mesh | None = None):
     """Jitted full forward: (logits [B, S, V], RoutingRecord); compiled once per structure, policy and shape.
@@ -48,7 +43,7 @@ def forward(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, 
     arr = check_tokens(tokens, model.config)
     graphdef, state = on_mesh(model, mesh)
     replay_idx = replay.indices if isinstance(replay, RoutingRecord) else replay
-    with _mesh_context(mesh):
+    with mesh_context(mesh):
         return _forward(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh),
                         None if replay_idx is None else put_batch(np.asarray(replay_idx, np.int32), mesh),
                         policy=policy)
@@ -88,6 +83,6 @@ def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySch
             raise ValueError(f"replay indices reach {int(np.max(replay_idx))}; allowed: -1..{cfg.n_experts - 1}")
         replay_idx = put_batch(np.asarray(replay_idx, np.int32), mesh)
     graphdef, state = on_mesh(model, mesh)
-    with _mesh_context(mesh):
+    with mesh_context(mesh):
         return _jitted(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh), replay_idx, policy=policy,
                        temperature=float(temperature), top_k=top_k, top_p=top_p)

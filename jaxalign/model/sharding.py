@@ -18,12 +18,15 @@ models have dimensions that 8 does not always divide) -- `spec_for` is the singl
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxalign.numerics.collectives import mesh_active
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 _BATCH = ("data", "fsdp")
@@ -140,14 +143,15 @@ def spec_for(logical_axes: tuple[str | None, ...], mesh_shape: dict[str, int],
 
 def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint on an activation from its logical axes (no-op without an active mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    if not mesh_active():
         return x
+    mesh = jax.sharding.get_abstract_mesh()
     return jax.lax.with_sharding_constraint(x, spec_for(logical_axes, dict(mesh.shape), x.shape))
 
 
-def _variables(tree):
-    return jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+def mesh_context(mesh: Mesh | None):
+    """`jax.set_mesh(mesh)`, or a no-op context for mesh None (one device)."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def logical_axes_of(variable: nnx.Variable) -> tuple[str, ...]:

@@ -9,7 +9,6 @@ resumable checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -25,8 +24,8 @@ from flax import nnx
 from jaxalign.align.routing import routing_metrics
 from jaxalign.engine import Engine
 from jaxalign.model.scoring import sequence_logprobs, token_logprobs
-from jaxalign.model.sharding import (make_mesh, parse_mesh_spec, put_batch, put_global, replicated, shard_state,
-                                     state_shardings, to_host)
+from jaxalign.model.sharding import (make_mesh, mesh_context, parse_mesh_spec, put_batch, put_global, replicated,
+                                     shard_state, state_shardings, to_host)
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.collectives import replicate
@@ -169,9 +168,6 @@ class Trainer:
             return put_global(x, match[0] if match else replicated(self.mesh))
         return jax.tree_util.tree_map_with_path(place, opt_state)
 
-    def _on_mesh(self):
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-
     # --- state ----------------------------------------------------------------------------------------------
     def _state_tree(self):
         return {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state,
@@ -228,7 +224,7 @@ class Trainer:
         """Run the update on (params, opt_state, *batch) on the trainer's mesh (rows of the batch split)."""
         if self.mesh is None:
             return self._update(self.params, self.opt_state, *(None if b is None else jnp.asarray(b) for b in batch))
-        with self._on_mesh():
+        with mesh_context(self.mesh):
             return self._update(self.params, self.opt_state,
                                 *(None if b is None else put_batch(b, self.mesh) for b in batch))
 
