@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -11,12 +13,41 @@ from flax import nnx
 from jaxalign import ModelConfig, Transformer
 from jaxalign.model.scoring import forward
 
-import os
-
 # tests/multidevice/ needs 8 fake devices, set before JAX starts: tests/test_meshes.py runs it in its own process
 collect_ignore = [] if os.environ.get("JAXALIGN_MULTIDEVICE") == "1" else ["multidevice"]
 
 FAMILY_PRESETS = ("tiny", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe")
+
+
+def _memory_map_count() -> int | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return None
+
+
+def _memory_map_limit() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Clear JAX's compile caches when this process nears the kernel's limit on memory mappings.
+
+    XLA:CPU maps ~3 pages (code, read-only data, data) for every kernel it JITs, and keeps them while the
+    executable lives in a jit cache: one aligned-bf16 forward on `tiny` costs ~500 mappings. The whole suite in one
+    process passed vm.max_map_count (65530 by default); the next mmap inside XLA's JIT then failed and the process
+    died with SIGSEGV in whichever test compiled next. Clearing the caches frees those mappings (programs that are
+    needed again recompile)."""
+    yield
+    limit, count = _memory_map_limit(), _memory_map_count()
+    if limit and count and count > limit // 2:
+        jax.clear_caches()
 
 
 @functools.lru_cache(maxsize=None)

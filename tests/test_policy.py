@@ -52,7 +52,6 @@ def test_presets_are_distinct():
     ("compute=bf16,compute=f32", "twice"),
     ("", "non-empty"),
     ("matmul=bf16", "accumulates below"),
-    ("dispatch=sorted,kernel=tiled:8", "no tiled variant"),
     ("dispatch=gather,kernel=tiled:8", "gather"),
 ])
 def test_invalid_policies_name_the_problem(text, needle):

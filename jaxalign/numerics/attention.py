@@ -56,10 +56,45 @@ def _weighted_values(p: jax.Array, v: jax.Array, policy: NumericPolicy) -> jax.A
     """p [B, KVH, G, Q, K] . v [B, K, KVH, D] -> [B, Q, KVH, G, D] in float32 (tree over keys when
     `reduction="tree"`, so masked zero-weight keys past the end never change the bits)."""
     if policy.reduction == "tree":
-        vf = jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))[:, :, None, None]  # [B, KVH, 1, 1, K, D]
-        out = tree_sum(p.astype(jnp.float32)[..., None] * vf, axis=4)  # [B, KVH, G, Q, D]
-        return jnp.transpose(out, (0, 3, 1, 2, 4))
+        return jnp.transpose(_tree_pv(p.astype(jnp.float32), jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))),
+                             (0, 3, 1, 2, 4))
     return jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(p.dtype), preferred_element_type=jnp.float32)
+
+
+def _pad_axis(x: jax.Array, axis: int, width: int) -> jax.Array:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, width - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@jax.custom_vjp
+def _tree_pv(p: jax.Array, v: jax.Array) -> jax.Array:
+    """p [B, H, G, Q, K] . v [B, H, K, D] -> [B, H, G, Q, D], summed over keys with the halving tree.
+
+    The keys are zero-padded to the tree's power-of-two width before the product, so the [.., K, D] products
+    are formed once. The gradient is written out: autodiff of the pads, slices and tree cost 25x the forward."""
+    width = _pow2(p.shape[-1])
+    return tree_sum(_pad_axis(p, 4, width)[..., None] * _pad_axis(v, 2, width)[:, :, None, None], axis=4)
+
+
+def _tree_pv_fwd(p, v):
+    return _tree_pv(p, v), (p, v)
+
+
+def _tree_pv_bwd(residuals, g):
+    p, v = residuals  # g [B, H, G, Q, D]
+    # batched products whose contraction (D for dp; G and Q for dv) is never split across devices and whose
+    # batch axes (B, H) are: each (b, h) is one fixed-shape product, whatever the mesh
+    dp = jnp.einsum("bhgqd,bhkd->bhgqk", g, v, preferred_element_type=jnp.float32)
+    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p, g, preferred_element_type=jnp.float32)
+    return dp, dv
+
+
+_tree_pv.defvjp(_tree_pv_fwd, _tree_pv_bwd)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,

@@ -13,6 +13,8 @@ ACC_CHUNK products of the contraction (what a low-precision accumulator does, em
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -89,11 +91,72 @@ def gathered_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Ar
     return cast(y, cdt)
 
 
+def _tiled_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """The tiled kernel for rows sorted by expert: each expert's rows are zero-padded to whole [T, K] tiles and
+    every tile is multiplied by its expert's weight, one tile per dot. A row's bits are those the dense
+    dispatch gives it (same row-invariant kernel), at k/E of the dense dispatch's work."""
+    tile = policy.tile_rows
+    rows, experts = x.shape[0], w.shape[0]
+    n_tiles = -(-rows // tile) + experts  # each expert adds at most one partly filled tile
+    padded = (group_sizes + tile - 1) // tile * tile
+    padded_end = jnp.cumsum(padded)
+    start = jnp.cumsum(group_sizes) - group_sizes
+    row_expert = jnp.repeat(jnp.arange(experts), group_sizes, total_repeat_length=rows)
+    dest = (padded_end - padded)[row_expert] + jnp.arange(rows) - start[row_expert]  # row -> slot in the tiles
+    tile_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_tiles) * tile, side="right"), experts - 1)
+    # ordered: every expert's whole weight on each device, so no per-tile product (forward or backward) sums
+    # across devices
+    return _expert_tiles(policy, n_tiles, x, local_reduce(w, policy, (0, 1, 2)), dest, tile_expert)
+
+
+def _to_tiles(rows: jax.Array, dest: jax.Array, n_tiles: int, tile: int) -> jax.Array:
+    """Rows scattered to their slots in [n_tiles, tile, width] (unused slots zero), kept whole on one device."""
+    buf = jnp.zeros((n_tiles * tile, rows.shape[-1]), rows.dtype).at[dest].set(rows)
+    return gather_axes(buf.reshape(n_tiles, tile, -1), (0, 1, 2))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _expert_tiles(policy, n_tiles, x, w, dest, tile_expert):
+    tiles = _to_tiles(x, dest, n_tiles, policy.tile_rows)
+
+    def one_tile(carry, tile_and_expert):
+        t, e = tile_and_expert
+        return carry, gather_axes(_dot(t, w[e], policy), (0,))
+    _, out = lax.scan(one_tile, None, (tiles, tile_expert))
+    return out.reshape(-1, w.shape[-1])[dest]
+
+
+def _expert_tiles_fwd(policy, n_tiles, x, w, dest, tile_expert):
+    return _expert_tiles(policy, n_tiles, x, w, dest, tile_expert), (x, w, dest, tile_expert)
+
+
+def _expert_tiles_bwd(policy, n_tiles, residuals, g):
+    """Tile by tile, in tile order: dx = g @ w[e]^T, and dW[e] += x^T @ g into one [E, K, N] accumulator (float32
+    accumulation). Autodiff of the forward scan instead added a zero-padded [E, K, N] cotangent per tile."""
+    x, w, dest, tile_expert = residuals
+    x_tiles = _to_tiles(x, dest, n_tiles, policy.tile_rows)
+    g_tiles = _to_tiles(g.astype(w.dtype), dest, n_tiles, policy.tile_rows)
+
+    def one_tile(dw, inputs):
+        xt, gt, e = inputs
+        dx = jnp.dot(gt, w[e].T, preferred_element_type=jnp.float32)
+        return dw.at[e].add(jnp.dot(xt.T, gt, preferred_element_type=jnp.float32)), dx
+    dw0 = local_reduce(jnp.zeros(w.shape, jnp.float32), policy, (0, 1, 2))
+    dw, dx = lax.scan(one_tile, dw0, (x_tiles, g_tiles, tile_expert))
+    return dx.reshape(-1, x.shape[-1])[dest].astype(x.dtype), dw.astype(w.dtype), None, None
+
+
+_expert_tiles.defvjp(_expert_tiles_fwd, _expert_tiles_bwd)
+
+
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
-    """Rows sorted by expert: x [R, K], w [E, K, N], group_sizes [E] -> [R, N] (lax.ragged_dot)."""
+    """Rows sorted by expert: x [R, K], w [E, K, N], group_sizes [E] -> [R, N] (`lax.ragged_dot` under the xla
+    kernel, per-expert [T, K] tiles under `tiled:T`)."""
     x = cast(local_reduce(x, policy, (1,)), policy.compute_dtype)
     w = cast(local_reduce(w, policy, (1,)), policy.compute_dtype)
-    if policy.matmul_acc not in ("bf16", "f16"):
+    if policy.tile_rows is not None:
+        y = _tiled_grouped(x, w, group_sizes, policy)
+    elif policy.matmul_acc not in ("bf16", "f16"):
         y = lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
     else:
         y = None

@@ -142,9 +142,6 @@ class NumericPolicy:
         if self.dispatch == "gather" and (self.matmul_kernel != "xla" or self.matmul_acc in ("bf16", "f16")):
             raise ValueError("NumericPolicy.dispatch = 'gather' uses batched vector-matrix products with float32 "
                              "accumulation; it needs matmul_kernel 'xla' and matmul_acc f32 (or a DotAlgorithmPreset)")
-        if self.dispatch == "sorted" and self.matmul_kernel != "xla":
-            raise ValueError(f"NumericPolicy.dispatch = 'sorted' uses a grouped matmul that has no tiled variant; "
-                             f"with matmul_kernel = {self.matmul_kernel!r} use dispatch 'dense' or 'capacity:F'")
 
     # --- derived properties the numerics modules read -----------------------------------------------------
     @property
@@ -235,8 +232,9 @@ PRESETS: dict[str, NumericPolicy] = {
     # product that feeds an add is exact in f32: XLA:CPU contracts a*b+c into an FMA or not depending on
     # fusion, and only exact products make both roundings agree (docs/policies.md).
     # Cross-device sums are ordered, so the bits do not depend on the mesh either (docs/scaling.md).
+    # Sorted dispatch runs only the selected experts; under the tiled kernel its bits equal the dense dispatch's.
     "aligned-bf16": _bf16_compute(matmul_kernel="tiled:8", reduction="tree", rope_dtype="bf16",
-                                  combine_weight_dtype="bf16", cross_device="ordered"),
+                                  combine_weight_dtype="bf16", cross_device="ordered", dispatch="sorted"),
     # Both sides in float16 (Qi et al. 2025); f32 norms, router, softmax and logits.
     "fp16": NumericPolicy(param_dtype="f16", compute_dtype="f16", kv_cache_dtype="f16"),
     # transformers' eager attention and expert loop: RoPE rotation and q.k scores in bf16, router linear in bf16, weights cast back to bf16, one expert at a time,
