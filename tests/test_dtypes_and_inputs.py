@@ -55,9 +55,10 @@ def test_primitive_dtypes_follow_policy(name):
     assert rms_norm(x, jnp.ones(8), p, 1e-6).dtype == cdt
     assert softmax(x, p, p.router_softmax_dtype).dtype == dtype(p.router_softmax_dtype)
     q = jnp.ones((1, 4, 4, 8), cdt)
-    kv = jnp.ones((1, 4, 2, 8), dtype(p.kv_cache_dtype))
+    k = jnp.ones((1, 2, 8, 4), dtype(p.kv_cache_dtype))  # [B, KVH, D, K]
+    v = jnp.ones((1, 2, 4, 8), dtype(p.kv_cache_dtype))  # [B, KVH, K, D]
     pos = jnp.arange(4)[None]
-    assert attention(q, kv, kv, pos, pos, p).dtype == cdt
+    assert attention(q, k, v, pos, pos, p).dtype == cdt
     y = jnp.ones((3, 2, 8), cdt)
     assert combine(y, jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2)), 4, p).dtype == cdt
 

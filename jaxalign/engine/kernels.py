@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxalign.model.attention import K_CACHE_AXES, V_CACHE_AXES
 from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, dtype
 from jaxalign.numerics.reduce import log_softmax
@@ -28,10 +29,10 @@ def compile_count() -> int:
 
 
 def _empty_kv(cfg, batch: int, cache_len: int, policy: NumericPolicy):
-    shape = (batch, cache_len, cfg.n_kv_heads, cfg.head_dim)
     kvdt = dtype(policy.kv_cache_dtype)
-    axes = ("cache_batch", "cache_seq", "cache_kv_heads", None)  # split as model/sharding.py says, on a mesh
-    return [(constrain(jnp.zeros(shape, kvdt), axes), constrain(jnp.zeros(shape, kvdt), axes))
+    k_shape = (batch, cfg.n_kv_heads, cfg.head_dim, cache_len)
+    v_shape = (batch, cfg.n_kv_heads, cache_len, cfg.head_dim)
+    return [(constrain(jnp.zeros(k_shape, kvdt), K_CACHE_AXES), constrain(jnp.zeros(v_shape, kvdt), V_CACHE_AXES))
             for _ in range(cfg.n_layers)]
 
 

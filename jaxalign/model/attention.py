@@ -12,6 +12,10 @@ from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, cast
 from jaxalign.numerics.attention import attention, rope
 
+# the engine's cache: keys [B, KVH, Dh, M], values [B, KVH, M, Dh] (model/sharding.py splits the named axes)
+K_CACHE_AXES = ("cache_batch", "cache_kv_heads", None, "cache_seq")
+V_CACHE_AXES = ("cache_batch", "cache_kv_heads", "cache_seq", None)
+
 
 class Attention(nnx.Module):
     """GQA self-attention. q/k norm: `head` (per head over head_dim, Qwen3) or `proj` (whole projection, OLMoE)."""
@@ -34,8 +38,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, policy: NumericPolicy,
                  kv: tuple[jax.Array, jax.Array] | None = None):
-        """x [B, S, D], positions [B, S]. With `kv` = (k_cache, v_cache) [B, M, KVH, Dh], the new keys/values are
-        written at slot = position and attention reads the whole cache. Returns (out [B, S, D], new kv or None)."""
+        """x [B, S, D], positions [B, S]. With `kv` = (k_cache [B, KVH, Dh, M], v_cache [B, KVH, M, Dh]) -- the
+        layouts a decode step's two products read without transposing the cache -- the new keys/values are written
+        at slot = position and attention reads the whole cache. Returns (out [B, S, D], new kv or None)."""
         cfg = self.cfg
         b, s, _ = x.shape
         q, k, v = self.q_proj(x, policy), self.k_proj(x, policy), self.v_proj(x, policy)
@@ -53,13 +58,14 @@ class Attention(nnx.Module):
         k = cast(rope(k, positions, cfg.rope_theta, policy, cfg.rotary_dim), policy.kv_cache_dtype)
         v = cast(v, policy.kv_cache_dtype)
         if kv is None:
-            keys, values, k_pos, new_kv = k, v, positions, None
+            keys, values = jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3))
+            k_pos, new_kv = positions, None
         else:
             rows = jnp.arange(b)[:, None]
-            keys = kv[0].at[rows, positions].set(k, mode="drop")
-            values = kv[1].at[rows, positions].set(v, mode="drop")
-            k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
-            keys, values = (constrain(c, ("cache_batch", "cache_seq", "cache_kv_heads", None)) for c in (keys, values))
+            # (rows, positions) index [B, S] pairs, so both updates are [B, S, KVH, Dh]: k and v as they are
+            keys = constrain(kv[0].at[rows, :, :, positions].set(k, mode="drop"), K_CACHE_AXES)
+            values = constrain(kv[1].at[rows, :, positions].set(v, mode="drop"), V_CACHE_AXES)
+            k_pos = jnp.broadcast_to(jnp.arange(values.shape[2]), (b, values.shape[2]))
             new_kv = (keys, values)
         out = attention(q, keys, values, positions, k_pos, policy)
         return self.o_proj(out.reshape(b, s, -1), policy), new_kv

@@ -38,27 +38,32 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy
 
 
 def _scores(q: jax.Array, k: jax.Array, policy: NumericPolicy) -> jax.Array:
-    """q [B, Q, KVH, G, D] . k [B, K, KVH, D] -> [B, KVH, G, Q, K] in float32 accumulation.
+    """q [B, Q, KVH, G, D] . k [B, KVH, D, K] -> [B, KVH, G, Q, K] in float32 accumulation.
 
     With `reduction="tree"` the head-dim contraction is a fixed sequential sum of elementwise products (one
     fused loop, the same order for every query and key, whatever their number)."""
     if policy.reduction == "tree":
         qf = jnp.transpose(q.astype(jnp.float32), (0, 2, 3, 1, 4))[:, :, :, :, None, :]  # [B, KVH, G, Q, 1, D]
-        kf = jnp.transpose(k.astype(jnp.float32), (0, 2, 1, 3))[:, :, None, None, :, :]  # [B, KVH, 1, 1, K, D]
+        kf = jnp.swapaxes(k.astype(jnp.float32), 2, 3)[:, :, None, None, :, :]  # [B, KVH, 1, 1, K, D]
         total = qf[..., 0] * kf[..., 0]
         for d in range(1, q.shape[-1]):
             total = total + qf[..., d] * kf[..., d]
         return total
-    return jnp.einsum("bqhgd,bkhd->bhgqk", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    # keys stored [D, K]: each (b, h) is a plain [G*Q, D] x [D, K] product (with keys [K, D], XLA:CPU's dot
+    # repacked every key of the cache at each decode step)
+    qh = jnp.transpose(q, (0, 2, 3, 1, 4))  # [B, KVH, G, Q, D]
+    return jnp.einsum("bhgqd,bhdk->bhgqk", qh, k.astype(q.dtype), preferred_element_type=jnp.float32)
 
 
 def _weighted_values(p: jax.Array, v: jax.Array, policy: NumericPolicy) -> jax.Array:
-    """p [B, KVH, G, Q, K] . v [B, K, KVH, D] -> [B, Q, KVH, G, D] in float32 (tree over keys when
+    """p [B, KVH, G, Q, K] . v [B, KVH, K, D] -> [B, Q, KVH, G, D] in float32 (tree over keys when
     `reduction="tree"`, so masked zero-weight keys past the end never change the bits)."""
     if policy.reduction == "tree":
-        return jnp.transpose(_tree_pv(p.astype(jnp.float32), jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))),
-                             (0, 3, 1, 2, 4))
-    return jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(p.dtype), preferred_element_type=jnp.float32)
+        return jnp.transpose(_tree_pv(p.astype(jnp.float32), v.astype(jnp.float32)), (0, 3, 1, 2, 4))
+    # p first and the output [B, KVH, G, Q, D]: each (b, h) is a plain [G*Q, K] x [K, D] product (with v first,
+    # XLA:CPU contracted v's middle axis in a slow generic dot)
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(p.dtype), preferred_element_type=jnp.float32)
+    return jnp.transpose(out, (0, 3, 1, 2, 4))
 
 
 def _pad_axis(x: jax.Array, axis: int, width: int) -> jax.Array:
@@ -101,14 +106,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
               policy: NumericPolicy) -> jax.Array:
     """Causal GQA attention.
 
-    q [B, Q, H, D] (compute dtype), k/v [B, K, KVH, D] (kv-cache dtype), q_pos [B, Q], k_pos [B, K] positions.
+    q [B, Q, H, D] (compute dtype), k [B, KVH, D, K] and v [B, KVH, K, D] (kv-cache dtype, laid out as the
+    engine's cache), q_pos [B, Q], k_pos [B, K] positions.
     Returns [B, Q, H, D] in the compute dtype.
     """
     b, nq, h, d = q.shape
-    kvh = k.shape[2]
+    kvh = k.shape[1]
     # the q.k products sum over head_dim and the value products over keys: keep both on one device (ordered)
     q = local_reduce(q, policy, (3,))
-    k, v = local_reduce(k, policy, (1, 3)), local_reduce(v, policy, (1,))
+    k, v = local_reduce(k, policy, (2, 3)), local_reduce(v, policy, (2,))
     qg = q.reshape(b, nq, kvh, h // kvh, d)
     visible = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None, None]  # [B, 1, 1, Q, K]
     chunk = policy.attention_chunk
@@ -138,15 +144,15 @@ def _full(qg, k, v, visible, policy):
 def _chunked(qg, k, v, visible, policy, chunk):
     """Online softmax over fixed chunks of `chunk` keys starting at slot 0 (flash / split-KV style)."""
     sdt = dtype(policy.attn_softmax_dtype)
-    b, nk = k.shape[:2]
+    b, kvh, d, nk = k.shape
     pad = (-nk) % chunk
     if pad:
-        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        k = jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, pad)))
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0)))
         visible = jnp.pad(visible, [(0, 0)] * 4 + [(0, pad)])
     n_chunks = (nk + pad) // chunk
-    ks = jnp.moveaxis(k.reshape(b, n_chunks, chunk, *k.shape[2:]), 1, 0)
-    vs = jnp.moveaxis(v.reshape(b, n_chunks, chunk, *v.shape[2:]), 1, 0)
+    ks = jnp.moveaxis(k.reshape(b, kvh, d, n_chunks, chunk), 3, 0)
+    vs = jnp.moveaxis(v.reshape(b, kvh, n_chunks, chunk, d), 2, 0)
     vis = jnp.moveaxis(visible.reshape(*visible.shape[:4], n_chunks, chunk), 4, 0)
     bq = qg.shape[:1] + (qg.shape[2], qg.shape[3], qg.shape[1])  # [B, KVH, G, Q]
 

@@ -91,8 +91,8 @@ def test_kv_cache_is_sharded(model, spec):
     with jax.set_mesh(mesh):
         kv = prefill(shard_state(state, mesh), jnp.asarray(random_tokens(cfg, 8, 8)))
     batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
-    expected = (batch_axes[0] if len(batch_axes) == 1 else batch_axes, None, "tensor")
-    assert tuple(kv[0][0].sharding.spec) + (None,) * (4 - len(kv[0][0].sharding.spec)) == expected + (None,)
+    expected = (batch_axes[0] if len(batch_axes) == 1 else batch_axes, "tensor", None, None)  # [B, KVH, M, Dh]
+    assert tuple(kv[0][0].sharding.spec) + (None,) * (4 - len(kv[0][0].sharding.spec)) == expected
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
