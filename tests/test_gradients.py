@@ -61,3 +61,27 @@ def test_custom_backward_passes_match_autodiff_in_fp32(preset):
                     jax.tree.leaves(_grads(model, tokens, custom, record.indices))):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a) + 1e-9
+
+
+def test_clipping_norm_in_tree_order_matches_optax():
+    """The trainer clips by a global norm summed as its policy says (a fixed tree under reduction=tree, so a
+    sharded trainer gets one device's bits); it equals optax's norm and clipping to float32 rounding, and under
+    the tree order it no longer depends on how the leaves' adds were fused (the mesh tests check the bits)."""
+    import optax
+
+    from jaxalign.numerics.reduce import global_norm
+    from jaxalign.rl.trainer import clip_by_global_norm
+
+    model = build_model("tiny")
+    tokens = jnp.asarray(random_tokens(model.config, 3, 20, seed=2))
+    grads = _grads(model, tokens, NumericPolicy.preset("fp32"), None)
+    tree = NumericPolicy.preset("aligned-bf16")
+    reference = float(optax.tree.norm(grads))
+    for policy in (NumericPolicy.preset("fp32"), tree):
+        assert float(global_norm(grads, policy)) == pytest.approx(reference, rel=1e-6)
+    max_norm = reference / 3  # clipping active
+    ours, _ = clip_by_global_norm(max_norm, tree).update(grads, optax.EmptyState())
+    theirs, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+    assert float(optax.tree.norm(ours)) == pytest.approx(max_norm, rel=1e-6)

@@ -43,16 +43,38 @@ def _scores(q: jax.Array, k: jax.Array, policy: NumericPolicy) -> jax.Array:
     With `reduction="tree"` the head-dim contraction is a fixed sequential sum of elementwise products (one
     fused loop, the same order for every query and key, whatever their number)."""
     if policy.reduction == "tree":
-        qf = jnp.transpose(q.astype(jnp.float32), (0, 2, 3, 1, 4))[:, :, :, :, None, :]  # [B, KVH, G, Q, 1, D]
-        kf = jnp.swapaxes(k.astype(jnp.float32), 2, 3)[:, :, None, None, :, :]  # [B, KVH, 1, 1, K, D]
-        total = qf[..., 0] * kf[..., 0]
-        for d in range(1, q.shape[-1]):
-            total = total + qf[..., d] * kf[..., d]
-        return total
+        return _sequential_scores(jnp.transpose(q.astype(jnp.float32), (0, 2, 3, 1, 4)), k.astype(jnp.float32))
     # keys stored [D, K]: each (b, h) is a plain [G*Q, D] x [D, K] product (with keys [K, D], XLA:CPU's dot
     # repacked every key of the cache at each decode step)
     qh = jnp.transpose(q, (0, 2, 3, 1, 4))  # [B, KVH, G, Q, D]
     return jnp.einsum("bhgqd,bhdk->bhgqk", qh, k.astype(q.dtype), preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def _sequential_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q [B, H, G, Q, D] . k [B, H, D, K] -> [B, H, G, Q, K]: the products summed over D one after another.
+
+    The gradient is written out as batched products (as `_tree_pv`'s): autodiff would transpose the implicit
+    broadcasts of q over keys and k over queries into XLA reduces, whose order follows how the backward was
+    fused -- and that differed between a mesh's program and one device's."""
+    total = q[..., :, None, 0] * k[:, :, None, None, 0, :]
+    for d in range(1, q.shape[-1]):
+        total = total + q[..., :, None, d] * k[:, :, None, None, d, :]
+    return total
+
+
+def _sequential_scores_fwd(q, k):
+    return _sequential_scores(q, k), (q, k)
+
+
+def _sequential_scores_bwd(residuals, g):
+    q, k = residuals  # g [B, H, G, Q, K]
+    dq = jnp.einsum("bhgqk,bhdk->bhgqd", g, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bhgqk,bhgqd->bhdk", g, q, preferred_element_type=jnp.float32)
+    return dq, dk
+
+
+_sequential_scores.defvjp(_sequential_scores_fwd, _sequential_scores_bwd)
 
 
 def _weighted_values(p: jax.Array, v: jax.Array, policy: NumericPolicy) -> jax.Array:

@@ -92,3 +92,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, policy: NumericPolicy, eps: float)
     normed = xn * expand(jax.lax.rsqrt(mean_sq + jnp.asarray(eps, xn.dtype)), -1, xn.shape[-1], policy)
     scale = lambda n, w: as_compute(n, policy) * as_compute(as_param(w, policy), policy)  # noqa: E731
     return with_parameter(scale, policy)(normed, weight)
+
+
+def global_norm(tree, policy: NumericPolicy) -> jax.Array:
+    """The L2 norm of every array in a pytree together (float32), e.g. for gradient clipping.
+
+    With `reduction="tree"`: each array's squares are materialised and tree-summed, then the per-array sums are
+    tree-summed in the pytree's leaf order -- a fixed order, so a sharded trainer's norm (and the clipping scale
+    it sets) has one device's bits. XLA's reduce ordered these adds by how the update program was fused."""
+    leaves = [jnp.asarray(x, jnp.float32).reshape(-1) for x in jax.tree.leaves(tree)]
+    if policy.reduction != "tree":
+        return jnp.sqrt(sum(jnp.sum(x * x) for x in leaves))
+    squares = jax.lax.optimization_barrier([x * x for x in leaves])  # no a*a + b*b contracted into an FMA
+    return jnp.sqrt(tree_sum(jnp.stack([tree_sum(x) for x in squares])))

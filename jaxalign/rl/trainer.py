@@ -29,6 +29,7 @@ from jaxalign.model.sharding import (make_mesh, mesh_context, parse_mesh_spec, p
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.collectives import replicate
+from jaxalign.numerics.reduce import global_norm
 from jaxalign.rl import countdown, tokenizer
 from jaxalign.rl.correction import CorrectionConfig, correct
 from jaxalign.rl.grpo import GRPOConfig, group_advantages, policy_loss
@@ -86,10 +87,25 @@ class RLConfig:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
-def make_optimizer(learning_rate: float, weight_decay: float, grad_clip: float,
-                   lora_only: bool = False) -> optax.GradientTransformation:
-    """AdamW with global-norm gradient clipping; with `lora_only`, every non-adapter parameter is frozen."""
-    opt = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(learning_rate, weight_decay=weight_decay))
+def clip_by_global_norm(max_norm: float, policy: NumericPolicy) -> optax.GradientTransformation:
+    """optax's clip_by_global_norm with the norm summed as the trainer policy's `reduction` says
+    (`numerics.reduce.global_norm`), so clipping is as reproducible across meshes as the gradients are."""
+
+    def update(updates, state, params=None):
+        del params
+        norm = global_norm(updates, policy)
+        scale = jnp.where(norm < max_norm, jnp.ones_like(norm), max_norm / norm)
+        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(learning_rate: float, weight_decay: float, grad_clip: float, lora_only: bool = False,
+                   policy: NumericPolicy | None = None) -> optax.GradientTransformation:
+    """AdamW with global-norm gradient clipping (norm summed as `policy` says; optax's own when None); with
+    `lora_only`, every non-adapter parameter is frozen."""
+    clip = optax.clip_by_global_norm(grad_clip) if policy is None else clip_by_global_norm(grad_clip, policy)
+    opt = optax.chain(clip, optax.adamw(learning_rate, weight_decay=weight_decay))
     if not lora_only:
         return opt
     from jaxalign.model.lora import is_lora_path
@@ -141,7 +157,7 @@ class Trainer:
         self.reference = (nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.params))
                           if config.grpo.kl_coef > 0 else None)
         self.optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip,
-                                        lora_only=bool(config.lora_rank))
+                                        lora_only=bool(config.lora_rank), policy=self.trainer_policy)
         self.opt_state = self._shard_opt_state(self.optimizer.init(self.params))
         self.width = PROMPT_WIDTH + config.max_new_tokens
         self.step = 0
@@ -210,7 +226,7 @@ class Trainer:
         if ordered:  # the clipping norm sums over every (sharded) gradient: replicated, it sums in one place
             grads, params, opt_state = replicate((grads, params, opt_state))
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, stats, optax.tree.norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, stats, global_norm(grads, self.trainer_policy)
 
     def _compile_update(self):
         """The jitted update; on a mesh its outputs keep the parameters' and optimizer state's placement."""
