@@ -50,31 +50,35 @@ def _scores(q: jax.Array, k: jax.Array, policy: NumericPolicy) -> jax.Array:
     return jnp.einsum("bhgqd,bhdk->bhgqk", qh, k.astype(q.dtype), preferred_element_type=jnp.float32)
 
 
-@jax.custom_vjp
-def _sequential_scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    """q [B, H, G, Q, D] . k [B, H, D, K] -> [B, H, G, Q, K]: the products summed over D one after another.
+def _einsum_backward(spec: str):
+    """Decorator: `forward(a, b)` computes `einsum(spec, a, b)` in its own summation order; its gradient is the two
+    einsums of the bilinear form (float32). The batch axes (b, h) are never summed, so each (b, h) is one
+    fixed-shape product whatever the mesh; autodiff of the forward would instead transpose its implicit
+    broadcasts and pads into XLA reduces, whose add order follows how the backward was fused (it differed between
+    a mesh's program and one device's) and cost 25x the forward for the value tree."""
+    lhs, rest = spec.split(",")
+    rhs, out = rest.split("->")
 
-    The gradient is written out as batched products (as `_tree_pv`'s): autodiff would transpose the implicit
-    broadcasts of q over keys and k over queries into XLA reduces, whose order follows how the backward was
-    fused -- and that differed between a mesh's program and one device's."""
+    def wrap(forward):
+        fn = jax.custom_vjp(forward)
+
+        def bwd(residuals, g):
+            a, b = residuals
+            return (jnp.einsum(f"{out},{rhs}->{lhs}", g, b, preferred_element_type=jnp.float32),
+                    jnp.einsum(f"{lhs},{out}->{rhs}", a, g, preferred_element_type=jnp.float32))
+
+        fn.defvjp(lambda a, b: (fn(a, b), (a, b)), bwd)
+        return fn
+    return wrap
+
+
+@_einsum_backward("bhgqd,bhdk->bhgqk")
+def _sequential_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q [B, H, G, Q, D] . k [B, H, D, K] -> [B, H, G, Q, K]: the products summed over D one after another."""
     total = q[..., :, None, 0] * k[:, :, None, None, 0, :]
     for d in range(1, q.shape[-1]):
         total = total + q[..., :, None, d] * k[:, :, None, None, d, :]
     return total
-
-
-def _sequential_scores_fwd(q, k):
-    return _sequential_scores(q, k), (q, k)
-
-
-def _sequential_scores_bwd(residuals, g):
-    q, k = residuals  # g [B, H, G, Q, K]
-    dq = jnp.einsum("bhgqk,bhdk->bhgqd", g, k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bhgqk,bhgqd->bhdk", g, q, preferred_element_type=jnp.float32)
-    return dq, dk
-
-
-_sequential_scores.defvjp(_sequential_scores_fwd, _sequential_scores_bwd)
 
 
 def _weighted_values(p: jax.Array, v: jax.Array, policy: NumericPolicy) -> jax.Array:
@@ -98,30 +102,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@jax.custom_vjp
+@_einsum_backward("bhgqk,bhkd->bhgqd")
 def _tree_pv(p: jax.Array, v: jax.Array) -> jax.Array:
     """p [B, H, G, Q, K] . v [B, H, K, D] -> [B, H, G, Q, D], summed over keys with the halving tree.
 
     The keys are zero-padded to the tree's power-of-two width before the product, so the [.., K, D] products
-    are formed once. The gradient is written out: autodiff of the pads, slices and tree cost 25x the forward."""
+    are formed once."""
     width = _pow2(p.shape[-1])
     return tree_sum(_pad_axis(p, 4, width)[..., None] * _pad_axis(v, 2, width)[:, :, None, None], axis=4)
-
-
-def _tree_pv_fwd(p, v):
-    return _tree_pv(p, v), (p, v)
-
-
-def _tree_pv_bwd(residuals, g):
-    p, v = residuals  # g [B, H, G, Q, D]
-    # batched products whose contraction (D for dp; G and Q for dv) is never split across devices and whose
-    # batch axes (B, H) are: each (b, h) is one fixed-shape product, whatever the mesh
-    dp = jnp.einsum("bhgqd,bhkd->bhgqk", g, v, preferred_element_type=jnp.float32)
-    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p, g, preferred_element_type=jnp.float32)
-    return dp, dv
-
-
-_tree_pv.defvjp(_tree_pv_fwd, _tree_pv_bwd)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
