@@ -27,6 +27,7 @@ def _memory_map_count() -> int | None:
         return None
 
 
+@functools.lru_cache(maxsize=None)
 def _memory_map_limit() -> int | None:
     try:
         with open("/proc/sys/vm/max_map_count") as limit:

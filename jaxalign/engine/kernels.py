@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxalign.model.attention import K_CACHE_AXES, V_CACHE_AXES
-from jaxalign.model.sharding import constrain
+from jaxalign.model.attention import empty_kv_cache
 from jaxalign.numerics import NumericPolicy, dtype
 from jaxalign.numerics.reduce import log_softmax
 from jaxalign.numerics.sampling import sampling_logprobs
@@ -29,11 +28,7 @@ def compile_count() -> int:
 
 
 def _empty_kv(cfg, batch: int, cache_len: int, policy: NumericPolicy):
-    kvdt = dtype(policy.kv_cache_dtype)
-    k_shape = (batch, cfg.n_kv_heads, cfg.head_dim, cache_len)
-    v_shape = (batch, cfg.n_kv_heads, cache_len, cfg.head_dim)
-    return [(constrain(jnp.zeros(k_shape, kvdt), K_CACHE_AXES), constrain(jnp.zeros(v_shape, kvdt), V_CACHE_AXES))
-            for _ in range(cfg.n_layers)]
+    return [empty_kv_cache(cfg, batch, cache_len, dtype(policy.kv_cache_dtype)) for _ in range(cfg.n_layers)]
 
 
 def _empty_routing(cfg, rows: int, cache_len: int):

@@ -17,6 +17,13 @@ K_CACHE_AXES = ("cache_batch", "cache_kv_heads", None, "cache_seq")
 V_CACHE_AXES = ("cache_batch", "cache_kv_heads", "cache_seq", None)
 
 
+def empty_kv_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """One layer's zeroed (keys, values) cache for `batch` rows of `cache_len` slots, in the layout above."""
+    keys = jnp.zeros((batch, cfg.n_kv_heads, cfg.head_dim, cache_len), dtype)
+    values = jnp.zeros((batch, cfg.n_kv_heads, cache_len, cfg.head_dim), dtype)
+    return constrain(keys, K_CACHE_AXES), constrain(values, V_CACHE_AXES)
+
+
 class Attention(nnx.Module):
     """GQA self-attention. q/k norm: `head` (per head over head_dim, Qwen3) or `proj` (whole projection, OLMoE)."""
 

@@ -14,7 +14,7 @@ from jax import lax
 from jaxalign.numerics.collectives import local_reduce
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import as_compute, cast, dtype
-from jaxalign.numerics.reduce import reduce_sum, tree_sum
+from jaxalign.numerics.reduce import pad_to_tree_width, reduce_sum, tree_sum
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy,
@@ -92,24 +92,13 @@ def _weighted_values(p: jax.Array, v: jax.Array, policy: NumericPolicy) -> jax.A
     return jnp.transpose(out, (0, 3, 1, 2, 4))
 
 
-def _pad_axis(x: jax.Array, axis: int, width: int) -> jax.Array:
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, width - x.shape[axis])
-    return jnp.pad(x, pad)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @_einsum_backward("bhgqk,bhkd->bhgqd")
 def _tree_pv(p: jax.Array, v: jax.Array) -> jax.Array:
     """p [B, H, G, Q, K] . v [B, H, K, D] -> [B, H, G, Q, D], summed over keys with the halving tree.
 
     The keys are zero-padded to the tree's power-of-two width before the product, so the [.., K, D] products
     are formed once."""
-    width = _pow2(p.shape[-1])
-    return tree_sum(_pad_axis(p, 4, width)[..., None] * _pad_axis(v, 2, width)[:, :, None, None], axis=4)
+    return tree_sum(pad_to_tree_width(p, 4)[..., None] * pad_to_tree_width(v, 2)[:, :, None, None], axis=4)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,

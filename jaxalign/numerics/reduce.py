@@ -17,15 +17,22 @@ from jaxalign.numerics.dtypes import as_compute, as_param, cast
 from jaxalign.numerics.policy import NumericPolicy
 
 
+def pad_to_tree_width(x: jax.Array, axis: int) -> jax.Array:
+    """x zero-padded along `axis` to the halving tree's width (the next power of two)."""
+    n = x.shape[axis]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width == n:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, width - n)
+    return jnp.pad(x, pad)
+
+
 def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
     """Sum over `axis` with a fixed halving tree (batch- and padding-invariant; see module docstring)."""
     axis = axis % x.ndim
-    n = x.shape[axis]
-    width = 1 << max(0, (n - 1).bit_length())
-    if width != n:
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, width - n)
-        x = jnp.pad(x, pad)
+    x = pad_to_tree_width(x, axis)
+    width = x.shape[axis]
     while width > 1:
         width //= 2
         x = jax.lax.slice_in_dim(x, 0, width, axis=axis) + jax.lax.slice_in_dim(x, width, 2 * width, axis=axis)
