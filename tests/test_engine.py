@@ -26,9 +26,11 @@ def model():
     return build_model("tiny")
 
 
-def test_greedy_equals_teacher_forced_argmax(model):
-    rollout = ja.generate(model, _prompts(6), FP32, max_new_tokens=10, temperature=0.0)
-    logits = np.asarray(forward_logits(model, rollout.tokens, FP32)[0])
+@pytest.mark.parametrize("policy_name", ["fp32", "fp32,dispatch=bucketed"])
+def test_greedy_equals_teacher_forced_argmax(model, policy_name):
+    policy = ja.NumericPolicy.parse(policy_name)
+    rollout = ja.generate(model, _prompts(6), policy, max_new_tokens=10, temperature=0.0)
+    logits = np.asarray(forward_logits(model, rollout.tokens, policy)[0])
     for i in range(len(rollout)):
         p, g = rollout.prompt_lens[i], rollout.completion_lens[i]
         assert g == 10 and rollout.finish_reasons[i] == "length"
@@ -36,14 +38,14 @@ def test_greedy_equals_teacher_forced_argmax(model):
         np.testing.assert_array_equal(rollout.completion(i), expected)
 
 
-@pytest.mark.parametrize("policy_name", ["fp32", "serve-bf16"])
+@pytest.mark.parametrize("policy_name", ["fp32", "fp32,dispatch=bucketed", "serve-bf16"])
 def test_engine_logprobs_match_full_forward(model, policy_name):
-    policy = ja.NumericPolicy.preset(policy_name)
+    policy = ja.NumericPolicy.parse(policy_name)
     rollout = ja.generate(model, _prompts(5, seed=1), policy, max_new_tokens=8, temperature=0.8, top_p=0.9,
                           seed=2)
     lp, record = ja.token_logprobs(model, rollout.tokens, policy, temperature=0.8, top_p=0.9)
     diff = np.abs(np.asarray(lp) - rollout.logprobs)[rollout.mask]
-    tol = 1e-5 if policy_name == "fp32" else 5e-2  # serve-bf16 is batch variant: prefill/decode shapes differ
+    tol = 1e-5 if policy.compute_dtype == "f32" else 5e-2  # serve-bf16 is batch variant: prefill/decode shapes differ
     assert diff.max() <= tol
     assert rollout.mask.sum() == rollout.completion_lens.sum()
 

@@ -69,6 +69,36 @@ def test_knob_changes_numbers_and_restores(field, base_name, value):
     np.testing.assert_array_equal(before, restored)
 
 
+def test_bucketed_dispatch_changes_bits_through_row_counts():
+    """`dispatch=bucketed` multiplies each expert's rows in a buffer sized to its busiest expert. On the standard
+    input it gives the dense dispatch's bits on XLA:CPU (a row of its multi-row products does not depend on the
+    row count), so its knob is shown where the row count matters: two tokens on disjoint experts make one-row
+    buffers, which XLA:CPU multiplies with its vector-matrix kernel, rounding differently from the dense
+    two-row product."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxalign.numerics.experts import dispatch
+
+    model = build_model("tiny")
+    tokens = random_tokens(model.config, 4, 32, seed=3)
+    base = NumericPolicy.preset("fp32")
+    np.testing.assert_array_equal(np.asarray(forward_logits(model, tokens, base)[0]),
+                                  np.asarray(forward_logits(model, tokens, base.replace(dispatch="bucketed"))[0]))
+    rng = np.random.default_rng(0)
+    cfg = model.config  # the tiny model's expert shapes
+    e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_dim
+    w_gate, w_up = (jnp.asarray(rng.standard_normal((e, d, f)), jnp.float32) for _ in range(2))
+    w_down = jnp.asarray(rng.standard_normal((e, f, d)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, d)), jnp.float32)
+    idx = jnp.arange(2 * cfg.top_k, dtype=jnp.int32).reshape(2, cfg.top_k)  # disjoint experts
+    run = jax.jit(lambda policy: dispatch(x, idx, w_gate, w_up, w_down, policy)[0], static_argnums=0)
+    dense, bucketed = np.asarray(run(base)), np.asarray(run(base.replace(dispatch="bucketed")))
+    assert not np.array_equal(dense, bucketed), "dense -> bucketed changed nothing"
+    np.testing.assert_allclose(bucketed, dense, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(run(NumericPolicy.parse(str(base)))), dense)
+
+
 def test_narrowing_casts_survive_xla_cpu_fusion():
     """XLA:CPU's XNNPACK fusions fold an f32 -> bf16 -> f32 convert pair inside a fused dot + softmax for
     large enough shapes (512 rows here), which made a bf16 router silently run in f32. `numerics.cast` rounds

@@ -45,11 +45,22 @@ def _write_routing(buffers, record, rows, positions):
             m.at[rows, positions].set(record.margins, mode="drop"))
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` (first index of the maximum; of the first NaN if any) as plain reduces: XLA:CPU
+    runs argmax's (value, index) reduce as a scalar loop, several times slower over a vocabulary."""
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    none = jnp.int32(x.shape[-1])
+    first_nan = jnp.min(jnp.where(jnp.isnan(x), ids, none), axis=-1)
+    top = jnp.max(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1, keepdims=True)
+    first_top = jnp.min(jnp.where(x == top, ids, none), axis=-1)
+    return jnp.where(first_nan < none, first_nan, first_top)
+
+
 def _sample(logits, request_ids, positions, seed, policy, temperature, top_k, top_p):
     """One token per row from logits [B, V]; the key of row b is (seed, request_ids[b], positions[b])."""
     if temperature == 0:
         lp = log_softmax(logits, policy)
-        token = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+        token = _argmax(logits.astype(jnp.float32))
     else:
         lp = sampling_logprobs(logits, policy, temperature, top_k, top_p)
         base = jax.random.key(seed)
@@ -59,7 +70,7 @@ def _sample(logits, request_ids, positions, seed, policy, temperature, top_k, to
             return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
 
         noise = jax.vmap(gumbel)(request_ids, positions)
-        token = jnp.argmax(lp + noise, axis=-1).astype(jnp.int32)
+        token = _argmax(lp + noise)
     return token, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
 
 

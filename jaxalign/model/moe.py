@@ -15,13 +15,29 @@ from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.reduce import expand, reduce_sum, softmax
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(x, k)` over the last axis of x [N, E], bit for bit (IEEE total order, ties to the lower index),
+    computed from each entry's rank among the E: for the few experts of a router this is a handful of fused
+    elementwise ops, where XLA:CPU runs a comparator sort per row."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # signed-int order = total order of floats
+    n_exp = x.shape[-1]
+    ids = jnp.arange(n_exp, dtype=jnp.int32)
+    mine, other = key[..., :, None], key[..., None, :]
+    ahead = (other > mine) | ((other == mine) & (ids[None, :] < ids[:, None]))  # [.., i, j]: j ranks above i
+    rank = jnp.sum(ahead, axis=-1, dtype=jnp.int32)
+    picked = rank[..., :, None] == jnp.arange(k, dtype=jnp.int32)  # [.., E, k]: the entry of rank r
+    idx = jnp.sum(jnp.where(picked, ids[:, None], 0), axis=-2, dtype=jnp.int32)
+    return jnp.take_along_axis(x, idx, axis=-1), idx
+
+
 def _group_limited(select: jax.Array, cfg: ModelConfig) -> jax.Array:
     """DeepSeek-V3 group limiting: keep the `topk_groups` groups with the largest sum of their top-2 scores;
     other experts' selection scores become -inf (as transformers 5 does)."""
     n = select.shape[0]
     grouped = select.reshape(n, cfg.n_groups, cfg.n_experts // cfg.n_groups)
-    group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)  # sum of the top-2 scores of each group
-    _, top_groups = lax.top_k(group_scores, cfg.topk_groups)
+    group_scores = jnp.sum(top_k(grouped, 2)[0], axis=-1)  # sum of the top-2 scores of each group
+    _, top_groups = top_k(group_scores, cfg.topk_groups)
     keep = jnp.zeros((n, cfg.n_groups), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
     keep = jnp.repeat(keep, cfg.n_experts // cfg.n_groups, axis=1)
     return jnp.where(keep, select, jnp.full_like(select, -jnp.inf))
@@ -47,7 +63,7 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
         select = _group_limited(scores + bias, cfg)
     select = lax.stop_gradient(select)
     k = cfg.top_k
-    top_vals, native_idx = lax.top_k(select, min(k + 1, cfg.n_experts))
+    top_vals, native_idx = top_k(select, min(k + 1, cfg.n_experts))
     margin = (top_vals[:, k - 1] - top_vals[:, k]).astype(jnp.float32) if k < cfg.n_experts else \
         jnp.full((x.shape[0],), jnp.inf, jnp.float32)
     idx = native_idx[:, :k].astype(jnp.int32)

@@ -78,11 +78,13 @@ FIELDS: dict[str, _Field] = {
     "combine_order": _Field("combine", "slot|expert|dense", _one_of("slot", "expert", "dense"),
                             "slot = sum over the k slots in top-k order; expert = one expert at a time in id "
                             "order (transformers eager); dense = reduce over all experts with zeros (MaxText dense)"),
-    "dispatch": _Field("dispatch", "dense|sorted|gather|capacity:F (F a positive float)",
-                       lambda v: v in ("dense", "sorted", "gather") or _positive_float_suffix(v, "capacity:") is not None,
+    "dispatch": _Field("dispatch", "dense|sorted|gather|bucketed|capacity:F (F a positive float)",
+                       lambda v: (v in ("dense", "sorted", "gather", "bucketed")
+                                  or _positive_float_suffix(v, "capacity:") is not None),
                        "dense = every expert sees every token; sorted = argsort + grouped matmul; gather = each "
                        "token's k expert weights gathered, batched vector-matrix products (decode engines); "
-                       "capacity:F = per-expert buffers of F*tokens*k/experts rows, overflow dropped"),
+                       "bucketed = per-expert buffers sized (from a fixed ladder) to the busiest expert, nothing "
+                       "dropped; capacity:F = per-expert buffers of F*tokens*k/experts rows, overflow dropped"),
     "attention": _Field("attn", "full|chunked:C (C a positive int)",
                         lambda v: v == "full" or _positive_int_suffix(v, "chunked:") is not None,
                         "full softmax over all keys, or online softmax over fixed chunks of C keys"),
