@@ -2,7 +2,9 @@
 transformers PyTorch forward+backward on the same `bench` config and weights, in one run. Prints a table and
 writes JSON.
 
-    python benchmarks/train_step.py [--batch 8] [--seq 80] [--policies fp32,train-bf16,aligned-bf16]
+    python benchmarks/train_step.py [--batch 8] [--seq 80] [--policy P ...]
+
+Default policies: fp32, fp32,dispatch=bucketed, train-bf16, aligned-bf16.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="bench")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=80)
-    parser.add_argument("--policies", default="fp32,train-bf16,aligned-bf16")
+    parser.add_argument("--policy", action="append", dest="policies",
+                        help="trainer policy, repeatable (default: fp32, fp32,dispatch=bucketed, train-bf16, "
+                             "aligned-bf16)")
     parser.add_argument("--out", default="benchmarks/results/train_step.json")
     args = parser.parse_args(argv)
     import torch
@@ -38,7 +42,7 @@ def main(argv=None) -> int:
     model = ja.Transformer(ja.ModelConfig.preset(args.model), rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, args.seq))
     rows = []
-    for name in args.policies.split(","):
+    for name in args.policies or ["fp32", "fp32,dispatch=bucketed", "train-bf16", "aligned-bf16"]:
         seconds = trainer_step_seconds(model, ja.NumericPolicy.parse(name), jnp.asarray(tokens))
         rows.append({"implementation": f"jaxalign {name}", "step_s": seconds,
                      "tokens_per_s": tokens.size / seconds})
