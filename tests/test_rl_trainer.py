@@ -35,6 +35,16 @@ def _config(**kw):
     return rl_config(**{"steps": 4, "eval_every": 2, **kw})
 
 
+def test_warm_start_cache_is_keyed_by_the_build():
+    """Another build's warm start is never reused: the cache key includes a hash of the source and JAX version."""
+    from jaxalign.rl.sft import cache_key, code_fingerprint
+
+    cfg = ModelConfig.preset("countdown")
+    assert code_fingerprint() == code_fingerprint() and len(code_fingerprint()) == 16
+    assert cache_key(cfg, SFT) == cache_key(cfg, SFT, code_fingerprint())
+    assert cache_key(cfg, SFT, "build-a") != cache_key(cfg, SFT, "build-b")
+
+
 def test_warm_start_is_cached_and_scores(base, tmp_path):
     model = _model(base)
     trainer = Trainer(model, _config(), str(tmp_path / "run"))

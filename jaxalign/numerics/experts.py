@@ -16,7 +16,7 @@ from jax import lax
 from jaxalign.numerics.matmul import expert_matmul, gathered_matmul, grouped_matmul
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import cast, dtype
-from jaxalign.numerics.reduce import reduce_sum
+from jaxalign.numerics.reduce import reduce_sum, tree_sum
 
 
 def sigmoid(x: jax.Array) -> jax.Array:
@@ -37,6 +37,19 @@ def expert_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arr
     return expert_matmul(hidden, w_down, policy)
 
 
+def _to_every_expert(x: jax.Array, num_experts: int) -> jax.Array:
+    """x [N, H] broadcast to [E, N, H]. Its gradient sums the experts' contributions with the halving tree
+    (`numerics.reduce.tree_sum`, elementwise adds): autodiff's reduce over the expert axis was fused by XLA:CPU
+    with the products before it into one YNNPACK kernel that took 40% of an fp32 training step."""
+
+    @jax.custom_vjp
+    def broadcast(v):
+        return jnp.broadcast_to(v, (num_experts,) + v.shape)
+
+    broadcast.defvjp(lambda v: (broadcast(v), None), lambda _, g: (tree_sum(g, axis=0),))
+    return broadcast(x)
+
+
 def dispatch(x: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
              policy: NumericPolicy) -> tuple[jax.Array, jax.Array]:
     """Run the selected experts for every token.
@@ -47,7 +60,7 @@ def dispatch(x: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up: jax.Array, w
     n, k = idx.shape
     num_experts = w_gate.shape[0]
     if policy.dispatch == "dense":
-        y_all = expert_ffn(jnp.broadcast_to(x, (num_experts,) + x.shape), w_gate, w_up, w_down, policy)
+        y_all = expert_ffn(_to_every_expert(x, num_experts), w_gate, w_up, w_down, policy)
         y = jnp.take_along_axis(jnp.moveaxis(y_all, 0, 1), idx[..., None], axis=1)
         return y, jnp.ones(idx.shape, bool)
     if policy.dispatch == "gather":

@@ -4,12 +4,14 @@ every arm and seed of an experiment starts from the same weights."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import optax
 from flax import nnx
@@ -53,14 +55,32 @@ def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
     return tokens, mask
 
 
-def cache_key(model_config: ModelConfig, cfg: SFTConfig) -> str:
-    """Stable key of (architecture, SFT settings)."""
-    blob = json.dumps({"model": model_config.to_dict(), "sft": dataclasses.asdict(cfg)}, sort_keys=True)
+@functools.lru_cache(maxsize=None)
+def code_fingerprint() -> str:
+    """A hash of jaxalign's Python source and the JAX/jaxlib versions: anything that can change the float bits
+    of a training run. (A warm start cached by another build once silently replaced what this build trains.)"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def cache_key(model_config: ModelConfig, cfg: SFTConfig, code: str | None = None) -> str:
+    """Stable key of (architecture, SFT settings, code): `code` defaults to `code_fingerprint()`."""
+    blob = json.dumps({"model": model_config.to_dict(), "sft": dataclasses.asdict(cfg),
+                       "code": code or code_fingerprint()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def warm_start(model_config: ModelConfig, cfg: SFTConfig, cache_dir: str, *, progress: bool = True) -> Transformer:
-    """The SFT'd model: loaded from `cache_dir` when this (config, settings) pair was trained before."""
+    """The SFT'd model: loaded from `cache_dir` when this (config, settings) pair was trained before by this
+    build (same jaxalign source and JAX version, `code_fingerprint`)."""
     from tqdm import tqdm
 
     path = os.path.join(cache_dir, f"warmstart-{cache_key(model_config, cfg)}")
