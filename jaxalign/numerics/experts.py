@@ -113,22 +113,41 @@ def _buffer_slots(flat: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
 def _dispatch_bucketed(x, idx, w_gate, w_up, w_down, policy):
     """Each expert's rows in a [C, H] buffer, C the smallest bucket size that holds the busiest expert: one
     compiled branch per size (`lax.switch`), so only ~C/N of the dense dispatch's rows are multiplied and no
-    assignment is ever dropped (the last size is N)."""
+    assignment is ever dropped (the last size is N).
+
+    The backward is a `lax.switch` too, each branch recomputing its forward (a custom VJP): autodiff of the
+    switch instead hands every branch's residuals across it, zero-filled for the branches not taken, which cost
+    more than the products in a training step."""
     n, k = idx.shape
     num_experts = w_gate.shape[0]
     flat = idx.reshape(-1)
     slot, counts = _buffer_slots(flat, num_experts)
     sizes = bucket_sizes(n, k, num_experts)
-    rows = jnp.repeat(x, k, axis=0)
 
     def branch(capacity):
-        def run(rows, flat, slot):
+        def run(x, w_gate, w_up, w_down, flat, slot):
+            rows = jnp.repeat(x, k, axis=0)
             buffer = jnp.zeros((num_experts, capacity, x.shape[-1]), x.dtype).at[flat, slot].set(rows)
             return expert_ffn(buffer, w_gate, w_up, w_down, policy)[flat, slot]
         return run
 
-    y = lax.switch(bucket_index(counts, sizes), [branch(c) for c in sizes], rows, flat, slot)
-    return y.reshape(n, k, -1)
+    branches = [branch(c) for c in sizes]
+
+    @jax.custom_vjp
+    def bucketed(x, w_gate, w_up, w_down, flat, slot, which):
+        return lax.switch(which, branches, x, w_gate, w_up, w_down, flat, slot)
+
+    def bwd(inputs, g):
+        *operands, flat, slot, which = inputs
+
+        def grads(run):
+            return lambda g, *operands: jax.vjp(lambda *ops: run(*ops, flat, slot), *operands)[1](g)
+
+        return (*lax.switch(which, [grads(run) for run in branches], g, *operands), None, None, None)
+
+    bucketed.defvjp(lambda *inputs: (bucketed(*inputs), inputs), bwd)
+    which = bucket_index(counts, sizes)
+    return bucketed(x, w_gate, w_up, w_down, flat, slot, which).reshape(n, k, -1)
 
 
 def _dispatch_capacity(x, idx, w_gate, w_up, w_down, policy):
