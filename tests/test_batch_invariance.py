@@ -58,12 +58,15 @@ def test_aligned_forward_is_batch_and_position_invariant():
 
 
 @pytest.mark.parametrize("preset", FAMILY_PRESETS)
-def test_tiled_sorted_dispatch_gives_the_dense_dispatch_bits(preset):
+def test_tiled_sorted_and_bucketed_dispatches_give_the_dense_dispatch_bits(preset):
     """Under the tiled kernel a row's bits do not depend on its tile-mates, so running only the selected experts
-    (sorted) gives exactly what running every expert on every token (dense) gives."""
+    (sorted tiles, or the bucketed dispatch's per-expert buffers) gives exactly what running every expert on
+    every token (dense) gives."""
     model = build_model(preset)
     tokens = random_tokens(model.config, 5, 23, seed=1)
     sorted_ = NumericPolicy.preset("aligned-bf16")
     assert sorted_.dispatch == "sorted"
-    np.testing.assert_array_equal(np.asarray(forward_logits(model, tokens, sorted_)[0]),
-                                  np.asarray(forward_logits(model, tokens, sorted_.replace(dispatch="dense"))[0]))
+    dense = np.asarray(forward_logits(model, tokens, sorted_.replace(dispatch="dense"))[0])
+    np.testing.assert_array_equal(np.asarray(forward_logits(model, tokens, sorted_)[0]), dense)
+    np.testing.assert_array_equal(
+        np.asarray(forward_logits(model, tokens, sorted_.replace(dispatch="bucketed"))[0]), dense)
