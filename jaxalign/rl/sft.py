@@ -61,8 +61,7 @@ def code_fingerprint() -> str:
     of a training run. (A warm start cached by another build once silently replaced what this build trains.)"""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digest = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
-    for folder, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
+    for folder, _, files in sorted(os.walk(root)):  # every folder, in path order
         for name in sorted(f for f in files if f.endswith(".py")):
             path = os.path.join(folder, name)
             digest.update(os.path.relpath(path, root).encode())
