@@ -16,7 +16,7 @@ from jax import lax
 from jaxalign.numerics.matmul import expert_matmul, gathered_matmul, grouped_matmul
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import cast, dtype
-from jaxalign.numerics.reduce import reduce_sum, tree_sum
+from jaxalign.numerics.reduce import reduce_sum, tree_broadcast
 
 
 def sigmoid(x: jax.Array) -> jax.Array:
@@ -37,19 +37,6 @@ def expert_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arr
     return expert_matmul(hidden, w_down, policy)
 
 
-def _to_every_expert(x: jax.Array, num_experts: int) -> jax.Array:
-    """x [N, H] broadcast to [E, N, H]. Its gradient sums the experts' contributions with the halving tree
-    (`numerics.reduce.tree_sum`, elementwise adds): autodiff's reduce over the expert axis was fused by XLA:CPU
-    with the products before it into one YNNPACK kernel that took 40% of an fp32 training step."""
-
-    @jax.custom_vjp
-    def broadcast(v):
-        return jnp.broadcast_to(v, (num_experts,) + v.shape)
-
-    broadcast.defvjp(lambda v: (broadcast(v), None), lambda _, g: (tree_sum(g, axis=0),))
-    return broadcast(x)
-
-
 def dispatch(x: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
              policy: NumericPolicy) -> tuple[jax.Array, jax.Array]:
     """Run the selected experts for every token.
@@ -60,7 +47,9 @@ def dispatch(x: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up: jax.Array, w
     n, k = idx.shape
     num_experts = w_gate.shape[0]
     if policy.dispatch == "dense":
-        y_all = expert_ffn(_to_every_expert(x, num_experts), w_gate, w_up, w_down, policy)
+        # the input's gradient sums the experts with the tree whatever `reduce` says: autodiff's reduce over the
+        # expert axis was fused by XLA:CPU with the products before it into one YNNPACK kernel (40% of a step)
+        y_all = expert_ffn(tree_broadcast(x[None], 0, num_experts), w_gate, w_up, w_down, policy)
         y = jnp.take_along_axis(jnp.moveaxis(y_all, 0, 1), idx[..., None], axis=1)
         return y, jnp.ones(idx.shape, bool)
     if policy.dispatch == "gather":
@@ -110,6 +99,13 @@ def _buffer_slots(flat: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
     return jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=-1) - 1, jnp.sum(onehot, axis=0)
 
 
+def _to_buffers(x, k, flat, slot, num_experts, capacity):
+    """Per-expert buffers [E, capacity, H]: token i's j-th assignment (row i*k+j of flat/slot) at row slot of
+    expert flat; a slot >= capacity is dropped, unused rows are zero."""
+    rows = jnp.repeat(x, k, axis=0)
+    return jnp.zeros((num_experts, capacity, x.shape[-1]), x.dtype).at[flat, slot].set(rows, mode="drop")
+
+
 def _dispatch_bucketed(x, idx, w_gate, w_up, w_down, policy):
     """Each expert's rows in a [C, H] buffer, C the smallest bucket size that holds the busiest expert: one
     compiled branch per size (`lax.switch`), so only ~C/N of the dense dispatch's rows are multiplied and no
@@ -126,8 +122,7 @@ def _dispatch_bucketed(x, idx, w_gate, w_up, w_down, policy):
 
     def branch(capacity):
         def run(x, w_gate, w_up, w_down, flat, slot):
-            rows = jnp.repeat(x, k, axis=0)
-            buffer = jnp.zeros((num_experts, capacity, x.shape[-1]), x.dtype).at[flat, slot].set(rows)
+            buffer = _to_buffers(x, k, flat, slot, num_experts, capacity)
             return expert_ffn(buffer, w_gate, w_up, w_down, policy)[flat, slot]
         return run
 
@@ -157,11 +152,8 @@ def _dispatch_capacity(x, idx, w_gate, w_up, w_down, policy):
     flat = idx.reshape(-1)  # priority: token order, then slot order
     slot_in_expert, _ = _buffer_slots(flat, num_experts)
     kept = slot_in_expert < capacity
-    target = jnp.where(kept, slot_in_expert, capacity)  # out of range -> dropped by mode="drop"
-    rows = jnp.repeat(x, k, axis=0)
-    buffer = jnp.zeros((num_experts, capacity, x.shape[-1]), x.dtype).at[flat, target].set(rows, mode="drop")
-    y_buf = expert_ffn(buffer, w_gate, w_up, w_down, policy)
-    y = y_buf[flat, jnp.minimum(target, capacity - 1)]
+    y_buf = expert_ffn(_to_buffers(x, k, flat, slot_in_expert, num_experts, capacity), w_gate, w_up, w_down, policy)
+    y = y_buf[flat, jnp.minimum(slot_in_expert, capacity - 1)]
     y = jnp.where(kept[:, None], y, jnp.zeros_like(y))
     return y.reshape(n, k, -1), kept.reshape(n, k)
 

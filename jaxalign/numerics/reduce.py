@@ -48,26 +48,31 @@ def reduce_sum(x: jax.Array, policy: NumericPolicy, axis: int = -1, keepdims: bo
     return jnp.sum(x, axis=axis, keepdims=keepdims, dtype=x.dtype)
 
 
+def tree_broadcast(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """x's size-1 `axis` broadcast to `size`; its gradient sums over that axis with the halving tree (elementwise
+    adds in a fixed order, where autodiff would emit an XLA reduce)."""
+    shape = list(x.shape)
+    shape[axis] = size
+
+    @jax.custom_vjp
+    def broadcast(v):
+        return jnp.broadcast_to(v, shape)
+
+    broadcast.defvjp(lambda v: (broadcast(v), None), lambda _, g: (tree_sum(g, axis, keepdims=True),))
+    return broadcast(x)
+
+
 def expand(x: jax.Array, axis: int, size: int, policy: NumericPolicy) -> jax.Array:
     """x's size-1 `axis` broadcast to `size` (a keepdims sum or norm about to meet the full array).
 
     The gradient of a broadcast is a sum over the broadcast axis. With `reduction=tree` that sum is the tree
     too: XLA's own reduce orders its adds by how the backward program was fused, so without this the same
     gradient got different bits in differently compiled programs (e.g. a mesh's)."""
-    shape = list(x.shape)
-    shape[axis] = size
     if policy.reduction != "tree":
+        shape = list(x.shape)
+        shape[axis] = size
         return jnp.broadcast_to(x, shape)
-
-    @jax.custom_vjp
-    def broadcast(v):
-        return jnp.broadcast_to(v, shape)
-
-    def bwd(_, g):
-        return (tree_sum(g, axis, keepdims=True),)
-
-    broadcast.defvjp(lambda v: (broadcast(v), None), bwd)
-    return broadcast(x)
+    return tree_broadcast(x, axis, size)
 
 
 def softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str, axis: int = -1) -> jax.Array:
