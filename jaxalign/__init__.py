@@ -1,17 +1,31 @@
 """jaxalign: one JAX/Flax MoE transformer under two explicit numeric policies (trainer and rollout engine),
-used to measure, localise and close the numerical gap between them."""
+used to measure, localise and close the numerical gap between them.
 
-from jaxalign.numerics.xla_flags import disable_excess_precision
+The public API, by role:
+- core: `NumericPolicy`, `PRESETS`, `PolicySchedule`, `ModelConfig`, `Transformer`, `RoutingRecord`, `make_mesh`;
+- engine (rollout side): `Engine`, `generate`, `Rollout`;
+- scoring (trainer side): `token_logprobs`, `sequence_logprobs`;
+- analysis: `mismatch_metrics`, `routing_metrics`, `compare`, `localize`;
+- subpackages: `jaxalign.interop.hf` / `jaxalign.interop.golden` (other stacks), `jaxalign.rl` (the RL loop),
+  `jaxalign.runtime` (process state: XLA flags).
+"""
 
-EXACT_LOW_PRECISION = disable_excess_precision()  # before any JAX computation; see numerics/xla_flags.py
+from jaxalign.runtime import EXACT_LOW_PRECISION  # noqa: F401  (sets XLA_FLAGS before any JAX computation)
 
+from jaxalign import interop  # noqa: E402  (so `jaxalign.interop.hf` works after `import jaxalign`)
+from jaxalign.align.compare import compare  # noqa: E402
+from jaxalign.align.localize import localize  # noqa: E402
+from jaxalign.align.metrics import mismatch_metrics  # noqa: E402
 from jaxalign.align.replay import RoutingRecord  # noqa: E402
+from jaxalign.align.routing import routing_metrics  # noqa: E402
 from jaxalign.engine import Engine, Rollout, generate  # noqa: E402
 from jaxalign.model import ModelConfig, Transformer, sequence_logprobs, token_logprobs  # noqa: E402
 from jaxalign.model.sharding import make_mesh  # noqa: E402
 from jaxalign.numerics import PRESETS, NumericPolicy  # noqa: E402
+from jaxalign.numerics.schedule import PolicySchedule  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "Rollout", "generate", "make_mesh", "ModelConfig", "NumericPolicy", "PRESETS", "RoutingRecord", "Transformer", "sequence_logprobs",
-           "token_logprobs", "__version__"]
+__all__ = ["EXACT_LOW_PRECISION", "Engine", "ModelConfig", "NumericPolicy", "PRESETS", "PolicySchedule", "Rollout",
+           "RoutingRecord", "Transformer", "compare", "generate", "localize", "make_mesh", "mismatch_metrics",
+           "routing_metrics", "sequence_logprobs", "token_logprobs", "__version__"]

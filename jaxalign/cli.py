@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
 from flax import nnx
 
-from jaxalign import report
+from jaxalign import report, runtime
 from jaxalign.model.config import ModelConfig, preset_names
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import FIELDS, PRESETS, NumericPolicy
@@ -88,23 +90,6 @@ def _add_mesh_args(p: argparse.ArgumentParser) -> None:
                    help="on CPU, fake this many devices (sets XLA_FLAGS before JAX starts)")
 
 
-def _fake_host_devices(n: int) -> None:
-    """Make the CPU backend expose `n` devices; must run before JAX starts its backend."""
-    import os
-
-    from jax._src import xla_bridge
-    if n < 1:
-        raise ValueError(f"--host-devices {n}; allowed: a positive int")
-    if xla_bridge.backends_are_initialized():
-        import jax
-        if jax.device_count() < n:
-            raise ValueError(f"--host-devices {n}: JAX already started with {jax.device_count()} devices")
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 def cmd_compare(args) -> int:
     from jaxalign.align.compare import compare
     trainer_mesh, engine_mesh = _meshes(args)
@@ -160,7 +145,7 @@ def cmd_import_hf(args) -> int:
 
 def _golden_model(args) -> Transformer:
     if bool(args.model) == bool(args.hf):
-        raise ValueError("golden export needs exactly one of --model PRESET or --hf DIR")
+        raise UsageError("golden export needs exactly one of --model PRESET or --hf DIR")
     if args.hf:
         from jaxalign.interop import hf
         return hf.load(args.hf)
@@ -313,17 +298,38 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(Exception):
+    """A command used wrongly (an option combination, a file that is not what the command needs): reported as
+    `jaxalign CMD: error: ...` with exit code 2, without a traceback."""
+
+
+def _raised_by_jaxalign(err: BaseException) -> bool:
+    """True when jaxalign's own validation raised `err` (the innermost frame is in the jaxalign package): those
+    ValueErrors name the bad value and what is allowed. A ValueError from JAX, NumPy or another library is a bug
+    to see with its traceback, not a usage error."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxalign` console command."""
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
         if getattr(args, "host_devices", None) is not None:
-            _fake_host_devices(args.host_devices)
+            runtime.configure(host_devices=args.host_devices)
         from jaxalign.distributed import initialize_from_env
         initialize_from_env()  # a no-op unless the environment names a multi-process job (docs/scaling.md)
         return args.func(args)
+    except UsageError as err:
+        print(f"jaxalign {args.command}: error: {err}", file=sys.stderr)
+        return 2
     except ValueError as err:
+        if not _raised_by_jaxalign(err):
+            raise
         print(f"jaxalign {args.command}: error: {err}", file=sys.stderr)
         return 2
 

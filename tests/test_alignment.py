@@ -112,3 +112,34 @@ def test_excess_precision_is_off_and_would_make_bf16_bits_depend_on_fusion():
         gaps[flag] = float(out.stdout.strip().splitlines()[-1])
     assert gaps["false"] == 0.0
     assert gaps["true"] > 0.0
+
+
+_REFUSAL_PROBE = """
+import numpy as np
+import jaxalign as ja
+from flax import nnx
+model = ja.Transformer(ja.ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
+tokens = np.zeros((1, 4), np.int32)
+ja.token_logprobs(model, tokens, ja.NumericPolicy.preset("train-bf16"))  # no bitwise promise: runs
+try:
+    ja.token_logprobs(model, tokens, ja.NumericPolicy.preset("aligned-bf16"))
+except ValueError as err:
+    print("refused:", "excess precision" in str(err))
+else:
+    print("ran")
+"""
+
+
+def test_aligned_policy_is_refused_when_the_user_forces_excess_precision_on():
+    """With excess precision forced on, an aligned bf16 policy cannot keep its trainer == engine promise, so it is
+    refused with an error that names the flag; a policy without that promise still runs."""
+    import os
+    import subprocess
+    import sys
+
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_allow_excess_precision=false", "")
+    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_allow_excess_precision=true".strip())
+    out = subprocess.run([sys.executable, "-c", _REFUSAL_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "refused: True"

@@ -39,7 +39,7 @@ def test_tiled_matmul_is_batch_and_position_invariant(policy):
 
 def test_xla_matmul_is_not_batch_invariant_on_this_cpu():
     """Documents the problem the tiled kernel solves: XLA:CPU's dot gives other bits for the same row when it
-    is multiplied together with other rows (see benchmarks/batch_invariance.py for the full table)."""
+    is multiplied together with other rows."""
     alone, results = _rows_by_batch(NumericPolicy.preset("train-bf16"))
     differing = [b for b, rows in results.items() if b != "shuffled" and not np.array_equal(rows, alone[:b])]
     assert differing, "XLA's kernel happened to be batch invariant here; the tiled kernel is then not needed"

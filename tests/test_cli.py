@@ -63,3 +63,21 @@ def test_demo_quick_runs(tmp_path):
         assert (out / name).exists(), name
     for arm in ("aligned", "misaligned"):
         assert (out / arm / "seed0" / "metrics.jsonl").exists()
+
+
+def test_usage_errors_exit_2_but_a_library_bug_keeps_its_traceback(monkeypatch, capsys):
+    """jaxalign's own validation errors and UsageError are reported in one line with exit code 2; a ValueError
+    raised inside another library (here NumPy) is not dressed up as a usage error: it propagates."""
+    import numpy as np
+
+    from jaxalign import cli
+
+    assert cli.main(["golden", "export", "--prompts", "p.jsonl", "--out", "o.json"]) == 2
+    assert "exactly one of --model PRESET or --hf DIR" in capsys.readouterr().err
+
+    def library_bug(args):
+        return np.zeros(2).reshape(3)
+
+    monkeypatch.setattr(cli, "cmd_policies", library_bug)
+    with pytest.raises(ValueError, match="reshape"):
+        cli.main(["policies"])

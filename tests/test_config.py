@@ -44,3 +44,14 @@ def test_impossible_configs_raise(change, needle):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="allowed: tiny"):
         ModelConfig.preset("huge")
+
+
+def test_public_api_by_role():
+    """`import jaxalign` is enough for every role: core, engine, scoring, analysis, and the interop subpackage."""
+    import jaxalign as ja
+
+    for name in ("NumericPolicy", "PRESETS", "PolicySchedule", "ModelConfig", "Transformer", "RoutingRecord",
+                 "make_mesh", "Engine", "generate", "Rollout", "token_logprobs", "sequence_logprobs",
+                 "mismatch_metrics", "routing_metrics", "compare", "localize"):
+        assert name in ja.__all__ and (callable(getattr(ja, name)) or isinstance(getattr(ja, name), dict)), name
+    assert callable(ja.interop.hf.load) and callable(ja.interop.golden.export_golden)

@@ -7,7 +7,6 @@ import pytest
 from scipy import stats
 
 import jaxalign as ja
-from jaxalign.engine import compile_count
 from jaxalign.engine.kernels import _sample
 
 from conftest import build_model, forward_logits
@@ -131,11 +130,17 @@ def test_eos_and_continuous_refills(model):
 
 
 def test_no_recompile_at_same_shapes(model):
+    """Each engine counts the programs its own calls compiled: the first call at new shapes compiles, a second
+    call at the same buckets (other data and seed) compiles nothing, in this engine or a fresh one."""
     kw = dict(max_new_tokens=5, temperature=1.0, batch_size=4)
-    ja.generate(model, _prompts(8, seed=6), FP32, **kw)
-    before = compile_count()
-    r = ja.generate(model, _prompts(8, seed=7), FP32, seed=3, **kw)  # same buckets, other data and seed
-    assert compile_count() == before and r.stats["compiles"] == 0
+    engine = ja.Engine(model, FP32)
+    first = engine.generate(_prompts(8, seed=6), seed=11, **kw | dict(max_new_tokens=7))
+    assert first.stats["compiles"] >= 1 and engine.compiles == first.stats["compiles"]
+    r = engine.generate(_prompts(8, seed=7), seed=3, **kw | dict(max_new_tokens=7))  # same buckets, other data
+    assert r.stats["compiles"] == 0 and engine.compiles == first.stats["compiles"]
+    other = ja.Engine(model, FP32)
+    assert other.generate(_prompts(8, seed=8), **kw | dict(max_new_tokens=7)).stats["compiles"] == 0
+    assert other.compiles == 0
 
 
 def test_kv_cache_dtype_follows_policy(model):

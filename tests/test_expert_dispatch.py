@@ -8,8 +8,7 @@ import pytest
 from jax import lax
 
 from jaxalign import NumericPolicy
-from jaxalign.engine.kernels import _argmax
-from jaxalign.model.moe import top_k
+from jaxalign.numerics.select import argmax, top_k
 from jaxalign.numerics.experts import _buffer_slots, bucket_index, bucket_sizes, dispatch
 
 from conftest import build_model, random_tokens
@@ -157,5 +156,5 @@ def test_argmax_equals_jnp_argmax():
     x[0] = -np.inf  # all -inf: index 0
     x[1] = 0.25  # all tied: index 0
     x[2, 7] = x[2, 30] = np.nan  # the first NaN
-    np.testing.assert_array_equal(np.asarray(jax.jit(_argmax)(jnp.asarray(x))),
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))),
                                   np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))

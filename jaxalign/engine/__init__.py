@@ -1,7 +1,6 @@
 """The rollout engine: KV-cache generation under an engine policy."""
 
 from jaxalign.engine.engine import Engine, generate
-from jaxalign.engine.kernels import compile_count
 from jaxalign.engine.rollout import Rollout
 
-__all__ = ["Engine", "Rollout", "compile_count", "generate"]
+__all__ = ["Engine", "Rollout", "generate"]

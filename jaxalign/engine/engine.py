@@ -50,6 +50,7 @@ class Engine:
         self.config = model.config
         self.graphdef, _ = nnx.split(model)
         self.state = None
+        self.compiles = 0  # engine programs this engine's calls traced (compiled); see Rollout.stats["compiles"]
         self.sync_weights(model)
 
     def sync_weights(self, model: Transformer) -> None:
@@ -127,7 +128,7 @@ class Engine:
             padded[i, : len(prompt)] = prompt
         static = dict(policy=self.policy, max_new=max_new_tokens, cache_len=cache_len, eos_id=eos_id,
                       temperature=float(temperature), top_k=top_k, top_p=None if top_p is None else float(top_p))
-        compiles_before = kernels.compile_count()
+        traces_before = kernels.traces_in_this_thread()
         start = time.perf_counter()
         put = functools.partial(put_batch, mesh=self.mesh)
         seq_len = p_max + max_new_tokens
@@ -166,6 +167,8 @@ class Engine:
             for dst, src in zip(routing, bufs):
                 dst[:] = to_host(src)[:, :seq_len]
         elapsed = time.perf_counter() - start
+        compiled = kernels.traces_in_this_thread() - traces_before
+        self.compiles += compiled
         pos = np.arange(seq_len)[None, :]
         in_completion = (pos >= lens[:, None]) & (pos < (lens + n_gen)[:, None])
         tokens = np.where(pos < (lens + n_gen)[:, None], tokens, 0).astype(np.int32)
@@ -177,7 +180,7 @@ class Engine:
             routing=RoutingRecord(indices=routing[0], weights=routing[1], margins=routing[2]),
             stats={"schedule": schedule, "batch_size": slots, "policy": str(self.policy), "seconds": elapsed,
                    "mesh": mesh_description(self.mesh),
-                   "new_tokens": int(n_gen.sum()), "compiles": kernels.compile_count() - compiles_before,
+                   "new_tokens": int(n_gen.sum()), "compiles": compiled,
                    "cache_len": cache_len, "kv_cache_bytes": self.kv_cache_bytes(slots, cache_len)})
 
     def kv_cache_bytes(self, batch: int, cache_len: int) -> int:

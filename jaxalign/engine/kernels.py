@@ -9,6 +9,7 @@ Sampling is keyed by (seed, request index, position), so a request gets the same
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -16,15 +17,20 @@ from flax import nnx
 
 from jaxalign.model.attention import empty_kv_cache
 from jaxalign.numerics import NumericPolicy, dtype
-from jaxalign.numerics.reduce import log_softmax
 from jaxalign.numerics.sampling import sampling_logprobs
+from jaxalign.numerics.select import argmax
 
-_COMPILES = {"count": 0}
+_THIS_THREAD = threading.local()
 
 
-def compile_count() -> int:
-    """How many times an engine program has been traced (compiled) in this process."""
-    return _COMPILES["count"]
+def traces_in_this_thread() -> int:
+    """How many engine programs this thread has traced (i.e. compiled). Calls in one thread run one after
+    another, so the difference across a call is what that call compiled, whatever other threads do."""
+    return getattr(_THIS_THREAD, "traces", 0)
+
+
+def _traced() -> None:
+    _THIS_THREAD.traces = traces_in_this_thread() + 1
 
 
 def _empty_kv(cfg, batch: int, cache_len: int, policy: NumericPolicy):
@@ -45,24 +51,12 @@ def _write_routing(buffers, record, rows, positions):
             m.at[rows, positions].set(record.margins, mode="drop"))
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-    """`jnp.argmax(x, axis=-1)` (first index of the maximum; of the first NaN if any) as plain reduces: XLA:CPU
-    runs argmax's (value, index) reduce as a scalar loop, several times slower over a vocabulary."""
-    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    none = jnp.int32(x.shape[-1])
-    first_nan = jnp.min(jnp.where(jnp.isnan(x), ids, none), axis=-1)
-    top = jnp.max(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1, keepdims=True)
-    first_top = jnp.min(jnp.where(x == top, ids, none), axis=-1)
-    return jnp.where(first_nan < none, first_nan, first_top)
-
-
 def _sample(logits, request_ids, positions, seed, policy, temperature, top_k, top_p):
     """One token per row from logits [B, V]; the key of row b is (seed, request_ids[b], positions[b])."""
+    lp = sampling_logprobs(logits, policy, temperature, top_k, top_p)
     if temperature == 0:
-        lp = log_softmax(logits, policy)
-        token = _argmax(logits.astype(jnp.float32))
+        token = argmax(logits.astype(jnp.float32))
     else:
-        lp = sampling_logprobs(logits, policy, temperature, top_k, top_p)
         base = jax.random.key(seed)
 
         def gumbel(req, pos):
@@ -70,7 +64,7 @@ def _sample(logits, request_ids, positions, seed, policy, temperature, top_k, to
             return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
 
         noise = jax.vmap(gumbel)(request_ids, positions)
-        token = _argmax(lp + noise)
+        token = argmax(lp + noise)
     return token, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
 
 
@@ -89,7 +83,7 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max
                temperature, top_k, top_p, prefill_chunk):
     """Generate for one static batch. prompts [B, P] right-padded, lens [B]. Returns
     (tokens [B, max_new], logprobs [B, max_new], n_generated [B], routing buffers [B, cache_len, ...])."""
-    _COMPILES["count"] += 1
+    _traced()
     model = nnx.merge(graphdef, state)
     cfg = model.config
     b, p = prompts.shape
@@ -148,7 +142,7 @@ def run_continuous(graphdef, state, prompts, lens, request_ids, seed, *, policy,
     composition changes from step to step. Returns (token buffer [R, cache_len], logprob buffer [R, cache_len]
     (entry p = logprob of the token at position p), n_generated [R], routing buffers [R, cache_len, ...]).
     """
-    _COMPILES["count"] += 1
+    _traced()
     model = nnx.merge(graphdef, state)
     cfg = model.config
     r, p = prompts.shape

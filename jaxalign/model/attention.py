@@ -9,8 +9,8 @@ from flax import nnx
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import Linear, RMSNorm
 from jaxalign.model.sharding import constrain
-from jaxalign.numerics import NumericPolicy, cast
-from jaxalign.numerics.attention import attention, rope
+from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics.attention import attention, kv_cache_entries, rope
 
 # the engine's cache: keys [B, KVH, Dh, M], values [B, KVH, M, Dh] (model/sharding.py splits the named axes)
 K_CACHE_AXES = ("cache_batch", "cache_kv_heads", None, "cache_seq")
@@ -62,8 +62,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm == "head":
             q, k = self.q_norm(q, policy), self.k_norm(k, policy)
         q = rope(q, positions, cfg.rope_theta, policy, cfg.rotary_dim)
-        k = cast(rope(k, positions, cfg.rope_theta, policy, cfg.rotary_dim), policy.kv_cache_dtype)
-        v = cast(v, policy.kv_cache_dtype)
+        k, v = kv_cache_entries(rope(k, positions, cfg.rope_theta, policy, cfg.rotary_dim), v, policy)
         if kv is None:
             keys, values = jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3))
             k_pos, new_kv = positions, None

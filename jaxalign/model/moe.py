@@ -5,30 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
-
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Linear, param
 from jaxalign.numerics import NumericPolicy, as_param, cast
-from jaxalign.numerics.experts import combine, dispatch, sigmoid
+from jaxalign.numerics.experts import combine, dispatch, normalize_gate_weights, router_sigmoid, sigmoid
 from jaxalign.numerics.matmul import matmul
-from jaxalign.numerics.reduce import expand, reduce_sum, softmax
-
-
-def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k(x, k)` over the last axis of x [N, E], bit for bit (IEEE total order, ties to the lower index),
-    computed from each entry's rank among the E: for the few experts of a router this is a handful of fused
-    elementwise ops, where XLA:CPU runs a comparator sort per row."""
-    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # signed-int order = total order of floats
-    n_exp = x.shape[-1]
-    ids = jnp.arange(n_exp, dtype=jnp.int32)
-    mine, other = key[..., :, None], key[..., None, :]
-    ahead = (other > mine) | ((other == mine) & (ids[None, :] < ids[:, None]))  # [.., i, j]: j ranks above i
-    rank = jnp.sum(ahead, axis=-1, dtype=jnp.int32)
-    picked = rank[..., :, None] == jnp.arange(k, dtype=jnp.int32)  # [.., E, k]: the entry of rank r
-    idx = jnp.sum(jnp.where(picked, ids[:, None], 0), axis=-2, dtype=jnp.int32)
-    return jnp.take_along_axis(x, idx, axis=-1), idx
+from jaxalign.numerics.reduce import softmax
+from jaxalign.numerics.select import top_k
 
 
 def _group_limited(select: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -58,10 +41,10 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
         scores = softmax(logits, policy, policy.router_softmax_dtype)
         select = scores
     else:
-        scores = jax.nn.sigmoid(cast(logits, policy.router_softmax_dtype))
+        scores = router_sigmoid(logits, policy)
         bias = cast(cast(bias, policy.router_logits_dtype), policy.router_softmax_dtype)
         select = _group_limited(scores + bias, cfg)
-    select = lax.stop_gradient(select)
+    select = jax.lax.stop_gradient(select)
     k = cfg.top_k
     top_vals, native_idx = top_k(select, min(k + 1, cfg.n_experts))
     margin = (top_vals[:, k - 1] - top_vals[:, k]).astype(jnp.float32) if k < cfg.n_experts else \
@@ -72,13 +55,10 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
         use_replay = jnp.all(replay >= 0, axis=-1, keepdims=True)
         idx = jnp.where(use_replay, jnp.clip(replay, 0, cfg.n_experts - 1), idx)
     weights = jnp.take_along_axis(scores, idx, axis=-1)
-    if cfg.norm_topk_prob:
-        denom = reduce_sum(weights, policy, axis=-1, keepdims=True)
-        if cfg.router == "sigmoid_grouped":
-            denom = denom + jnp.asarray(1e-20, weights.dtype)
-        weights = weights / expand(denom, -1, k, policy)
-    if cfg.router == "sigmoid_grouped":
-        weights = weights * jnp.asarray(cfg.routed_scaling_factor, weights.dtype)
+    sigmoid_router = cfg.router == "sigmoid_grouped"
+    weights = normalize_gate_weights(weights, policy, renormalize=cfg.norm_topk_prob,
+                                     epsilon=1e-20 if sigmoid_router else None,
+                                     scale=cfg.routed_scaling_factor if sigmoid_router else None)
     return idx, weights, margin
 
 

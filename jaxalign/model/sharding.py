@@ -53,7 +53,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "act_kv_heads": ("tensor",),
     "act_vocab": ("tensor",),
     "act_expert": ("expert",),
-    # KV cache [batch, slots, kv_heads, head_dim]
+    # KV cache: keys [batch, kv_heads, head_dim, slots], values [batch, kv_heads, slots, head_dim] (model/attention.py)
     "cache_batch": _BATCH,
     "cache_seq": (),
     "cache_kv_heads": ("tensor",),

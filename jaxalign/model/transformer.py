@@ -16,6 +16,7 @@ from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, as_compute, as_param
 from jaxalign.numerics.schedule import PolicySchedule, policy_for
 from jaxalign.numerics.matmul import matmul
+from jaxalign.runtime import require_exact_rounding
 
 KV = tuple[jax.Array, jax.Array]
 ACTIVATION = ("batch", "seq", "act_embed")  # the residual stream between layers (model/sharding.py)
@@ -88,6 +89,7 @@ class Transformer(nnx.Module):
                 replay=None):
         """Forward with an optional per-layer KV cache. Returns (logits, RoutingRecord, new kv or None)."""
         cfg = self.config
+        require_exact_rounding(policy)  # at trace time: once per compiled program
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))

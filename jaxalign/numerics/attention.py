@@ -37,6 +37,12 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy
     return as_compute(xr * cos + rotated * sin, policy)
 
 
+def kv_cache_entries(k: jax.Array, v: jax.Array, policy: NumericPolicy) -> tuple[jax.Array, jax.Array]:
+    """Keys (after RoPE) and values as the cache stores them: rounded to `kv_cache_dtype`. The trainer's full
+    forward rounds them the same way, so both sides attend over the same key and value bits."""
+    return cast(k, policy.kv_cache_dtype), cast(v, policy.kv_cache_dtype)
+
+
 def _scores(q: jax.Array, k: jax.Array, policy: NumericPolicy) -> jax.Array:
     """q [B, Q, KVH, G, D] . k [B, KVH, D, K] -> [B, KVH, G, Q, K] in float32 accumulation.
 

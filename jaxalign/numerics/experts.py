@@ -16,12 +16,34 @@ from jax import lax
 from jaxalign.numerics.matmul import expert_matmul, gathered_matmul, grouped_matmul
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import cast, dtype
-from jaxalign.numerics.reduce import reduce_sum, tree_broadcast
+from jaxalign.numerics.reduce import expand, reduce_sum, tree_broadcast
 
 
 def sigmoid(x: jax.Array) -> jax.Array:
     """sigmoid computed in float32 and rounded once to x's dtype (as torch's bf16 sigmoid)."""
     return jax.nn.sigmoid(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def router_sigmoid(logits: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """A sigmoid router's scores: the logits cast to `router_softmax_dtype` and the sigmoid computed in that dtype
+    (transformers' GLM-4.5 / DeepSeek-V3 routers compute it in float32)."""
+    return jax.nn.sigmoid(cast(logits, policy.router_softmax_dtype))
+
+
+def normalize_gate_weights(weights: jax.Array, policy: NumericPolicy, *, renormalize: bool,
+                           epsilon: float | None = None, scale: float | None = None) -> jax.Array:
+    """The family's gate-weight normalisation of top-k scores [N, k]: divided by their sum when `renormalize`
+    (the sum in the policy's reduction order, plus `epsilon` when given: DeepSeek-V3's 1e-20), then times
+    `scale` when given (DeepSeek-V3's routed_scaling_factor). Computed in the weights' dtype."""
+    k = weights.shape[-1]
+    if renormalize:
+        denom = reduce_sum(weights, policy, axis=-1, keepdims=True)
+        if epsilon is not None:
+            denom = denom + jnp.asarray(epsilon, weights.dtype)
+        weights = weights / expand(denom, -1, k, policy)
+    if scale is not None:
+        weights = weights * jnp.asarray(scale, weights.dtype)
+    return weights
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

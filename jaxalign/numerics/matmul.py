@@ -2,7 +2,7 @@
 
 Kernels:
 - `xla`: one `jnp.dot`. XLA:CPU picks blockings by shape, so the bits of one row depend on how many rows are
-  multiplied with it (see tests/numerics/test_matmul.py, which documents this on the CPU).
+  multiplied with it (tests/test_batch_invariance.py documents this on the CPU).
 - `tiled:T`: rows are zero-padded to a multiple of T and multiplied one fixed-shape [T, K] tile at a time
   (`lax.map`), so every row goes through the same compiled kernel with the same shape: batch invariant.
 

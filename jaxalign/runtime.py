@@ -1,0 +1,103 @@
+"""Process state jaxalign owns: every write to XLA_FLAGS, the one probe of JAX internals, and the check that an
+aligned policy's bitwise promise can hold in this process.
+
+XLA reads XLA_FLAGS once, when its backend starts, so both settings here must be made before the first JAX
+computation:
+
+- **No excess precision** (`--xla_allow_excess_precision=false`, set when `jaxalign` is imported). By default
+  XLA may keep float32 precision inside a fusion where the program asked for bf16/f16. XLA:CPU has no bf16
+  arithmetic: it computes bf16 elementwise ops in f32 and, with excess precision allowed, rounds only at fusion
+  boundaries. Fusion boundaries differ between the engine's decode program and the trainer's full forward, so the
+  same bf16 RoPE or gate product gave different bits in the two programs. With the flag, every bf16 op rounds, so
+  a policy's dtype means the same thing in every program (tests/test_alignment.py shows the difference). A user
+  who forces excess precision on keeps it, but a policy that promises bitwise agreement is then refused
+  (`require_exact_rounding`) instead of silently breaking its promise.
+- **Fake CPU devices** for meshes on one host (`configure(host_devices=N)`, the CLI's `--host-devices`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from jaxalign.numerics.policy import NumericPolicy
+from jaxalign.numerics.schedule import PolicySchedule
+
+EXCESS_PRECISION_OFF = "--xla_allow_excess_precision=false"
+_HOST_DEVICES = "xla_force_host_platform_device_count"
+
+
+def backend_started() -> bool:
+    """True once JAX has started a backend (after which XLA_FLAGS changes have no effect). The one place jaxalign
+    reads JAX internals; if they move, this answers False and the callers' flags are merely set too late."""
+    try:
+        from jax._src import xla_bridge
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # pragma: no cover - a JAX without the probe
+        return False
+
+
+def _append_flag(flag: str) -> None:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
+def disable_excess_precision() -> bool:
+    """Add EXCESS_PRECISION_OFF to XLA_FLAGS unless the user set `xla_allow_excess_precision` themselves.
+
+    Returns True when exact low-precision rounding is (or will be) in effect for this process."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_allow_excess_precision" in flags:
+        return EXCESS_PRECISION_OFF in flags
+    if backend_started():
+        warnings.warn("jaxalign was imported after JAX started its backend without "
+                      f"XLA_FLAGS={EXCESS_PRECISION_OFF}; bf16/f16 policies may then round differently in different "
+                      "programs. Import jaxalign (or set XLA_FLAGS) before the first JAX computation.", stacklevel=3)
+        return False
+    _append_flag(EXCESS_PRECISION_OFF)
+    return True
+
+
+EXACT_LOW_PRECISION = disable_excess_precision()  # run on import: before any JAX computation
+
+
+def promises_bitwise(policy: NumericPolicy) -> bool:
+    """A policy made to give the same bits in every program (aligned presets): batch-invariant kernels and
+    fixed-order reductions."""
+    return policy.matmul_kernel != "xla" and policy.reduction == "tree"
+
+
+def _rounds_below_f32(policy: NumericPolicy) -> bool:
+    return any(value in ("bf16", "f16") for value in policy.to_dict().values())
+
+
+def require_exact_rounding(policy: NumericPolicy | PolicySchedule) -> None:
+    """Refuse a bitwise-promising bf16/f16 policy (or a schedule holding one) in a process where XLA may keep
+    excess precision: its trainer == engine promise would silently not hold (see the module docstring)."""
+    if isinstance(policy, PolicySchedule):
+        for part_policy in (policy.default, *(p for _, p in policy.rules)):
+            require_exact_rounding(part_policy)
+        return
+    if not EXACT_LOW_PRECISION and promises_bitwise(policy) and _rounds_below_f32(policy):
+        raise ValueError(
+            f"policy {policy} promises bitwise agreement between programs, but this process runs XLA with excess "
+            f"precision allowed (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, or JAX started before jaxalign was "
+            f"imported), so bf16/f16 ops round only at fusion boundaries that differ between programs. Allowed: "
+            f"drop xla_allow_excess_precision from XLA_FLAGS (jaxalign sets {EXCESS_PRECISION_OFF}) and import "
+            f"jaxalign before the first JAX computation, or use a policy with kernel=xla / reduce=xla.")
+
+
+def configure(*, host_devices: int | None = None) -> None:
+    """Process settings for the CLI and scripts, made before JAX starts: `host_devices` fakes that many CPU
+    devices (for meshes on one host). If JAX already started with at least that many devices this is a no-op."""
+    if host_devices is None:
+        return
+    if not isinstance(host_devices, int) or host_devices < 1:
+        raise ValueError(f"host_devices = {host_devices!r}; allowed: a positive int")
+    if backend_started():
+        import jax
+        if jax.device_count() < host_devices:
+            raise ValueError(f"host_devices = {host_devices}: JAX already started with {jax.device_count()} "
+                             f"devices; set it before the first JAX computation")
+        return
+    if _HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
+        _append_flag(f"--{_HOST_DEVICES}={host_devices}")
