@@ -7,7 +7,9 @@ import pytest
 from scipy import stats
 
 import jaxalign as ja
+from jaxalign.align.compare import score_rollout
 from jaxalign.engine.kernels import _sample
+from jaxalign.numerics.sampling import SamplingParams
 
 from conftest import build_model, forward_logits
 
@@ -49,6 +51,28 @@ def test_engine_logprobs_match_full_forward(model, policy_name):
     assert rollout.mask.sum() == rollout.completion_lens.sum()
 
 
+def test_sampling_travels_with_the_rollout_and_names_the_reported_logprob(model):
+    """The rollout stores its SamplingParams; under top-p the two logprob semantics draw the same tokens but
+    report different logprobs (renormalised over the kept set >= raw, strictly where mass was cut), and scoring
+    the rollout reads its semantics from it, so each agrees with its own trainer-side score."""
+    sampling = SamplingParams(temperature=0.8, top_p=0.7)
+    prompts = _prompts(5, seed=1)
+    renorm = ja.generate(model, prompts, FP32, max_new_tokens=8, sampling=sampling, seed=2)
+    raw = ja.generate(model, prompts, FP32, max_new_tokens=8, sampling=SamplingParams(0.8, None, 0.7, "raw"), seed=2)
+    assert renorm.sampling == sampling and raw.sampling.logprobs == "raw"
+    np.testing.assert_array_equal(renorm.tokens, raw.tokens)
+    m = renorm.mask
+    assert (renorm.logprobs[m] >= raw.logprobs[m] - 1e-6).all() and (renorm.logprobs[m] > raw.logprobs[m] + 1e-3).any()
+    untruncated, _ = ja.token_logprobs(model, raw.tokens, FP32, temperature=0.8)
+    np.testing.assert_allclose(np.asarray(untruncated)[m], raw.logprobs[m], atol=1e-5)
+    for rollout in (renorm, raw):
+        assert score_rollout(model, rollout, FP32)["metrics"]["max_abs_logp_diff"] <= 1e-5
+    with pytest.raises(ValueError, match="not both"):
+        ja.generate(model, prompts, FP32, max_new_tokens=2, sampling=sampling, temperature=1.0)
+    with pytest.raises(ValueError, match="renormalized, raw"):
+        SamplingParams(logprobs="truncated")
+
+
 def test_routing_record_covers_forwarded_tokens(model):
     rollout = ja.generate(model, _prompts(4, seed=3), FP32, max_new_tokens=6, temperature=0.0)
     _, record = ja.token_logprobs(model, rollout.tokens, FP32)
@@ -60,8 +84,9 @@ def test_routing_record_covers_forwarded_tokens(model):
 
 def _draws(logits, n, **kw):
     rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
+    sampling = SamplingParams(kw.get("temperature", 1.0), kw.get("top_k"), kw.get("top_p"))
     tokens, _ = _sample(rows, jnp.arange(n, dtype=jnp.int32), jnp.full((n,), 5, jnp.int32), jnp.int32(7), FP32,
-                        kw.get("temperature", 1.0), kw.get("top_k"), kw.get("top_p"))
+                        sampling)
     return np.bincount(np.asarray(tokens), minlength=len(logits))
 
 

@@ -23,8 +23,9 @@ def random_prompts(vocab_size: int, n: int, seed: int, min_len: int = 4, max_len
 
 
 def score_rollout(model: Transformer, rollout: Rollout, trainer: NumericPolicy, *, replay: str = "none",
-                  temperature: float = 1.0, top_k=None, top_p=None, mesh=None) -> dict:
-    """Trainer-side scores of a rollout and the mismatch/routing metrics against the engine's.
+                  mesh=None) -> dict:
+    """Trainer-side scores of a rollout and the mismatch/routing metrics against the engine's, under the sampling
+    parameters the rollout was generated with (`rollout.sampling`).
 
     replay: `none` (trainer routes natively), `r3` (engine-recorded experts), `r2` (experts recorded by a
     separate trainer pass of the old policy -- at identical weights, the trainer's own native routing).
@@ -33,7 +34,7 @@ def score_rollout(model: Transformer, rollout: Rollout, trainer: NumericPolicy, 
     """
     if replay not in REPLAY_MODES:
         raise ValueError(f"replay = {replay!r}; allowed: {', '.join(REPLAY_MODES)}")
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, mesh=mesh)
+    kw = dict(sampling=rollout.sampling, mesh=mesh)
     engine_idx = np.asarray(rollout.routing.indices)
     forwarded = (engine_idx >= 0).all(-1).all(-1)
     _, native = token_logprobs(model, rollout.tokens, trainer, **kw)
@@ -61,7 +62,7 @@ def compare(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *
     for batch in engine_batches:
         rollout = eng.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                batch_size=batch, schedule=schedule, prefill_chunk=prefill_chunk)
-        scored = score_rollout(model, rollout, trainer, replay=replay, temperature=temperature, mesh=trainer_mesh)
+        scored = score_rollout(model, rollout, trainer, replay=replay, mesh=trainer_mesh)
         routing = scored["routing"]
         runs.append({"engine_batch": batch, **scored["metrics"],
                      **{k: v for k, v in routing.items() if k != "n_decisions"},

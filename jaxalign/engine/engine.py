@@ -18,7 +18,7 @@ from jaxalign.engine.rollout import Rollout
 from jaxalign.model.sharding import mesh_context, mesh_description, put_batch, shard_state, to_host
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy, cast_params, dtype
-from jaxalign.numerics.sampling import check_sampling
+from jaxalign.numerics.sampling import SamplingParams
 
 SCHEDULES = ("static", "continuous")
 _BUCKET = 8
@@ -71,7 +71,7 @@ class Engine:
         with mesh_context(self.mesh):
             self.state = _cast_state(shard_state(state, self.mesh), self.policy)
 
-    def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, batch_size, schedule,
+    def _check(self, prompts, max_new_tokens, eos_id, batch_size, schedule,
                prefill_chunk) -> list[np.ndarray]:
         cfg = self.config
         if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
@@ -80,7 +80,6 @@ class Engine:
             raise ValueError("prompts must be a non-empty list of token-id sequences")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {max_new_tokens!r}; allowed: an int >= 1")
-        check_sampling(temperature, top_k, top_p)
         if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
             raise ValueError(f"eos_id = {eos_id}; allowed: None or 0..{cfg.vocab_size - 1}")
         if schedule not in SCHEDULES:
@@ -108,12 +107,14 @@ class Engine:
             out.append(arr.astype(np.int32))
         return out
 
-    def generate(self, prompts, *, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+    def generate(self, prompts, *, max_new_tokens: int, sampling: SamplingParams | None = None,
+                 temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
                  batch_size: int | None = None, schedule: str = "static",
                  prefill_chunk: int | None = None, request_ids=None) -> Rollout:
         """Generate a completion for every prompt; see `jaxalign.generate`."""
-        prompts = self._check(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, batch_size, schedule,
+        sampling = SamplingParams.from_args(sampling, temperature, top_k, top_p)
+        prompts = self._check(prompts, max_new_tokens, eos_id, batch_size, schedule,
                               prefill_chunk)
         n = len(prompts)
         ids = np.arange(n, dtype=np.int32) if request_ids is None else np.asarray(request_ids)
@@ -127,7 +128,7 @@ class Engine:
         for i, prompt in enumerate(prompts):
             padded[i, : len(prompt)] = prompt
         static = dict(policy=self.policy, max_new=max_new_tokens, cache_len=cache_len, eos_id=eos_id,
-                      temperature=float(temperature), top_k=top_k, top_p=None if top_p is None else float(top_p))
+                      sampling=sampling)
         traces_before = kernels.traces_in_this_thread()
         start = time.perf_counter()
         put = functools.partial(put_batch, mesh=self.mesh)
@@ -177,7 +178,7 @@ class Engine:
         return Rollout(
             tokens=tokens, logprobs=np.where(in_completion, step_lp, 0.0)[:, 1:].astype(np.float32),
             mask=in_completion[:, 1:], prompt_lens=lens, completion_lens=n_gen, finish_reasons=reasons,
-            routing=RoutingRecord(indices=routing[0], weights=routing[1], margins=routing[2]),
+            routing=RoutingRecord(indices=routing[0], weights=routing[1], margins=routing[2]), sampling=sampling,
             stats={"schedule": schedule, "batch_size": slots, "policy": str(self.policy), "seconds": elapsed,
                    "mesh": mesh_description(self.mesh),
                    "new_tokens": int(n_gen.sum()), "compiles": compiled,
@@ -190,13 +191,16 @@ class Engine:
         return 2 * cfg.n_layers * batch * cache_len * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 
-def generate(model: Transformer, prompts, policy: NumericPolicy, *, max_new_tokens: int, temperature: float = 1.0,
+def generate(model: Transformer, prompts, policy: NumericPolicy, *, max_new_tokens: int,
+             sampling: SamplingParams | None = None, temperature: float | None = None,
              top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
              batch_size: int | None = None, schedule: str = "static",
              prefill_chunk: int | None = None, request_ids=None, mesh: jax.sharding.Mesh | None = None) -> Rollout:
     """Generate completions for `prompts` (a list of token-id sequences) under an engine `policy`.
 
-    `temperature=0` is greedy. `schedule="static"` runs requests in batches of `batch_size` (default: all at
+    `sampling` (a `SamplingParams`; or its shorthand `temperature`/`top_k`/`top_p`, default temperature 1)
+    names the distribution; `temperature=0` is greedy. It is stored in `Rollout.sampling`, and scoring the rollout
+    reads it from there. `schedule="static"` runs requests in batches of `batch_size` (default: all at
     once); `"continuous"` keeps `batch_size` slots busy, refilling a finished slot with the next request.
     `prefill_chunk` prefills static batches C tokens at a time. Returns a `Rollout` with the engine's logprob of
     every sampled token (see `jaxalign.numerics.sampling` for what that logprob means) and the routing record.
@@ -204,5 +208,6 @@ def generate(model: Transformer, prompts, policy: NumericPolicy, *, max_new_toke
     so one request draws the same tokens whatever batch or slot it runs in. `mesh`: run sharded on it.
     """
     return Engine(model, policy, mesh).generate(
-        prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
+        prompts, max_new_tokens=max_new_tokens, sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p,
+        eos_id=eos_id,
         seed=seed, batch_size=batch_size, schedule=schedule, prefill_chunk=prefill_chunk, request_ids=request_ids)

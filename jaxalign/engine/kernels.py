@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxalign.model.attention import empty_kv_cache
 from jaxalign.numerics import NumericPolicy, dtype
-from jaxalign.numerics.sampling import sampling_logprobs
+from jaxalign.numerics.sampling import SamplingParams, reported_logprobs, sampling_logprobs
 from jaxalign.numerics.select import argmax
 
 _THIS_THREAD = threading.local()
@@ -51,10 +51,11 @@ def _write_routing(buffers, record, rows, positions):
             m.at[rows, positions].set(record.margins, mode="drop"))
 
 
-def _sample(logits, request_ids, positions, seed, policy, temperature, top_k, top_p):
-    """One token per row from logits [B, V]; the key of row b is (seed, request_ids[b], positions[b])."""
-    lp = sampling_logprobs(logits, policy, temperature, top_k, top_p)
-    if temperature == 0:
+def _sample(logits, request_ids, positions, seed, policy, sampling: SamplingParams):
+    """One token per row from logits [B, V] and its reported logprob; the key of row b is
+    (seed, request_ids[b], positions[b])."""
+    lp = sampling_logprobs(logits, policy, sampling.temperature, sampling.top_k, sampling.top_p)
+    if sampling.temperature == 0:
         token = argmax(logits.astype(jnp.float32))
     else:
         base = jax.random.key(seed)
@@ -65,7 +66,8 @@ def _sample(logits, request_ids, positions, seed, policy, temperature, top_k, to
 
         noise = jax.vmap(gumbel)(request_ids, positions)
         token = argmax(lp + noise)
-    return token, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
+    reported = reported_logprobs(logits, policy, sampling, sampled=lp)
+    return token, jnp.take_along_axis(reported, token[:, None], axis=-1)[:, 0]
 
 
 def _finish(buffers, lens, n_gen):
@@ -78,9 +80,9 @@ def _finish(buffers, lens, n_gen):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_new", "cache_len", "eos_id",
-                                             "temperature", "top_k", "top_p", "prefill_chunk"))
+                                             "sampling", "prefill_chunk"))
 def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max_new, cache_len, eos_id,
-               temperature, top_k, top_p, prefill_chunk):
+               sampling, prefill_chunk):
     """Generate for one static batch. prompts [B, P] right-padded, lens [B]. Returns
     (tokens [B, max_new], logprobs [B, max_new], n_generated [B], routing buffers [B, cache_len, ...])."""
     _traced()
@@ -99,8 +101,7 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max
         logits_parts.append(logits)
         routing = _write_routing(routing, record, rows, positions)
     last = jnp.concatenate(logits_parts, axis=1)[jnp.arange(b), lens - 1]
-    sample = functools.partial(_sample, seed=seed, policy=policy, temperature=temperature, top_k=top_k,
-                               top_p=top_p)
+    sample = functools.partial(_sample, seed=seed, policy=policy, sampling=sampling)
     tok0, lp0 = sample(last, request_ids, lens)
     out_tok = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok0)
     out_lp = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(lp0)
@@ -132,9 +133,9 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy", "slots", "max_new", "cache_len", "eos_id",
-                                             "temperature", "top_k", "top_p"))
+                                             "sampling"))
 def run_continuous(graphdef, state, prompts, lens, request_ids, seed, *, policy, slots, max_new, cache_len, eos_id,
-                   temperature, top_k, top_p):
+                   sampling):
     """Continuous batching over all requests. prompts [R, P] right-padded, lens [R].
 
     `slots` rows advance one token per step (a prompt token while a request is in prefill, its last sampled
@@ -167,15 +168,15 @@ def run_continuous(graphdef, state, prompts, lens, request_ids, seed, *, policy,
         tokens = tok_buf[req, slot_pos][:, None]
         logits, record, kv = model.forward(tokens, policy, positions=slot_pos[:, None], kv=kv)
         routing = _write_routing(routing, record, target, slot_pos[:, None])
-        sampling = active & (slot_pos >= lens[req] - 1)
-        tok, lp = _sample(logits[:, 0], request_ids[req], slot_pos + 1, seed, policy, temperature, top_k, top_p)
-        write = jnp.where(sampling, req, r)
+        emitting = active & (slot_pos >= lens[req] - 1)
+        tok, lp = _sample(logits[:, 0], request_ids[req], slot_pos + 1, seed, policy, sampling)
+        write = jnp.where(emitting, req, r)
         tok_buf = tok_buf.at[write, slot_pos + 1].set(tok, mode="drop")
         lp_buf = lp_buf.at[write, slot_pos + 1].set(lp, mode="drop")
-        generated = n_gen[req] + sampling
+        generated = n_gen[req] + emitting
         n_gen = n_gen.at[write].set(generated, mode="drop")
-        hit_eos = (tok == eos_id) if eos_id is not None else jnp.zeros_like(sampling)
-        finished = sampling & (hit_eos | (generated >= max_new))
+        hit_eos = (tok == eos_id) if eos_id is not None else jnp.zeros_like(emitting)
+        finished = emitting & (hit_eos | (generated >= max_new))
         rank = jnp.cumsum(finished) - 1
         incoming = next_req + rank
         slot_req = jnp.where(finished, jnp.where(incoming < r, incoming, -1), slot_req)

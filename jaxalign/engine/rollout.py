@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from jaxalign.align.replay import RoutingRecord
+from jaxalign.numerics.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -20,6 +21,8 @@ class Rollout:
     - `prompt_lens`, `completion_lens` int [R]; `finish_reasons` list of "eos" | "length".
     - `routing`: RoutingRecord [R, S, moe_layers, k] of every forwarded token (the prompt and all but the last
       completion token); -1 elsewhere.
+    - `sampling`: the `SamplingParams` the tokens were drawn with (and that says which logprob `logprobs` holds);
+      scoring the rollout on the trainer side reads it from here.
     - `stats`: engine facts (schedule, batch size, compiles, seconds).
     """
 
@@ -30,6 +33,7 @@ class Rollout:
     completion_lens: np.ndarray
     finish_reasons: list[str]
     routing: RoutingRecord
+    sampling: SamplingParams = SamplingParams()
     stats: dict = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -58,4 +62,4 @@ class Rollout:
                        routing=RoutingRecord(indices=np.asarray(self.routing.indices)[rows],
                                              weights=np.asarray(self.routing.weights)[rows],
                                              margins=np.asarray(self.routing.margins)[rows]),
-                       stats=dict(self.stats))
+                       sampling=self.sampling, stats=dict(self.stats))

@@ -13,15 +13,17 @@ from jaxalign.align.replay import RoutingRecord
 from jaxalign.model.sharding import mesh_context, put_batch, shard_state
 from jaxalign.model.transformer import Transformer, check_tokens
 from jaxalign.numerics import NumericPolicy
-from jaxalign.numerics.sampling import check_sampling, sampling_logprobs
+from jaxalign.numerics.sampling import SamplingParams, reported_logprobs
 from jaxalign.numerics.schedule import PolicySchedule, policy_for
 
 
 def sequence_logprobs(model: Transformer, tokens: jax.Array, policy: NumericPolicy, *, replay=None,
-                      temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+                      sampling: SamplingParams | None = None, temperature: float | None = None,
+                      top_k: int | None = None, top_p: float | None = None):
     """Traceable core of `token_logprobs` (use inside jit/grad): (logprobs [B, S-1], RoutingRecord)."""
+    sampling = SamplingParams.from_args(sampling, temperature, top_k, top_p)
     logits, record = model(tokens, policy=policy, replay=replay)
-    lp = sampling_logprobs(logits[:, :-1], policy_for(policy, "head"), temperature, top_k, top_p)
+    lp = reported_logprobs(logits[:, :-1], policy_for(policy, "head"), sampling)
     return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], record
 
 
@@ -49,26 +51,27 @@ def forward(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, 
                         policy=policy)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "temperature", "top_k", "top_p"))
-def _jitted(graphdef, state, tokens, replay, *, policy, temperature, top_k, top_p):
-    return sequence_logprobs(nnx.merge(graphdef, state), tokens, policy, replay=replay,
-                             temperature=temperature, top_k=top_k, top_p=top_p)
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "sampling"))
+def _jitted(graphdef, state, tokens, replay, *, policy, sampling):
+    return sequence_logprobs(nnx.merge(graphdef, state), tokens, policy, replay=replay, sampling=sampling)
 
 
 def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, *,
-                   replay: RoutingRecord | jax.Array | None = None, temperature: float = 1.0,
-                   top_k: int | None = None, top_p: float | None = None,
+                   replay: RoutingRecord | jax.Array | None = None, sampling: SamplingParams | None = None,
+                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                    mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, RoutingRecord]:
     """Logprob of each next token, [batch, seq-1], and the routing record of the forward pass.
 
     `tokens[:, t+1]` is scored given `tokens[:, :t+1]`, under the same distribution the engine samples from
-    (see `jaxalign.numerics.sampling`). Compiled once per (model structure, policy, sampling params, shape).
+    (see `jaxalign.numerics.sampling`): `sampling` (a `SamplingParams`, e.g. a rollout's `rollout.sampling`) or
+    its shorthand `temperature`/`top_k`/`top_p` (default temperature 1). Compiled once per (model structure,
+    policy, sampling params, shape).
     `mesh`: run sharded on it (parameters and batch split as `model/sharding.py` says).
     """
     if not isinstance(policy, (NumericPolicy, PolicySchedule)):
         raise ValueError(f"policy must be a NumericPolicy (or PolicySchedule), got {type(policy).__name__}; "
                          f"use NumericPolicy.preset(name) or NumericPolicy.parse(text)")
-    check_sampling(temperature, top_k, top_p)
+    sampling = SamplingParams.from_args(sampling, temperature, top_k, top_p)
     arr = check_tokens(tokens, model.config)
     if arr.shape[1] < 2:
         raise ValueError(f"tokens need at least 2 positions to score a next token, got length {arr.shape[1]}")
@@ -85,4 +88,4 @@ def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySch
     graphdef, state = on_mesh(model, mesh)
     with mesh_context(mesh):
         return _jitted(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh), replay_idx, policy=policy,
-                       temperature=float(temperature), top_k=top_k, top_p=top_p)
+                       sampling=sampling)
