@@ -3,7 +3,7 @@ used to measure, localise and close the numerical gap between them.
 
 The public API, by role:
 - core: `NumericPolicy`, `PRESETS`, `PolicySchedule`, `ModelConfig`, `Transformer`, `RoutingRecord`, `make_mesh`;
-- engine (rollout side): `Engine`, `generate`, `Rollout`;
+- engine (rollout side): `Engine`, `generate`, `Rollout`, `SamplingParams`;
 - scoring (trainer side): `token_logprobs`, `sequence_logprobs`;
 - analysis: `mismatch_metrics`, `routing_metrics`, `compare`, `localize`;
 - subpackages: `jaxalign.interop.hf` / `jaxalign.interop.golden` (other stacks), `jaxalign.rl` (the RL loop),
@@ -22,10 +22,11 @@ from jaxalign.engine import Engine, Rollout, generate  # noqa: E402
 from jaxalign.model import ModelConfig, Transformer, sequence_logprobs, token_logprobs  # noqa: E402
 from jaxalign.model.sharding import make_mesh  # noqa: E402
 from jaxalign.numerics import PRESETS, NumericPolicy  # noqa: E402
+from jaxalign.numerics.sampling import SamplingParams  # noqa: E402
 from jaxalign.numerics.schedule import PolicySchedule  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["EXACT_LOW_PRECISION", "Engine", "ModelConfig", "NumericPolicy", "PRESETS", "PolicySchedule", "Rollout",
-           "RoutingRecord", "Transformer", "compare", "generate", "localize", "make_mesh", "mismatch_metrics",
+           "RoutingRecord", "SamplingParams", "Transformer", "compare", "generate", "localize", "make_mesh", "mismatch_metrics",
            "routing_metrics", "sequence_logprobs", "token_logprobs", "__version__"]

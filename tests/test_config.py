@@ -51,7 +51,7 @@ def test_public_api_by_role():
     import jaxalign as ja
 
     for name in ("NumericPolicy", "PRESETS", "PolicySchedule", "ModelConfig", "Transformer", "RoutingRecord",
-                 "make_mesh", "Engine", "generate", "Rollout", "token_logprobs", "sequence_logprobs",
+                 "make_mesh", "Engine", "generate", "Rollout", "SamplingParams", "token_logprobs", "sequence_logprobs",
                  "mismatch_metrics", "routing_metrics", "compare", "localize"):
         assert name in ja.__all__ and (callable(getattr(ja, name)) or isinstance(getattr(ja, name), dict)), name
     assert callable(ja.interop.hf.load) and callable(ja.interop.golden.export_golden)
