@@ -130,7 +130,7 @@ def rejection_mask(rows, rules: list[tuple[str, str]]):
             lo_log, hi_log = math.log(float(lo_text)), math.log(float(hi_text))
         else:
             upper = float(spec)
-        keep_rows = []
+        keep_rows, stat_rows = [], []
         for row, valid in zip(rows, valid_rows):
             stats = []
             for o, r, _ in row:
@@ -143,10 +143,13 @@ def rejection_mask(rows, rules: list[tuple[str, str]]):
             elif kind == "seq_max":
                 chosen = [s for s, ok in zip(stats, valid) if ok]
                 stats = [max(chosen) if chosen else 0.0] * len(row)
+            stat_rows.append(stats)
             if estimator == "k1":
                 keep_rows.append([lo_log <= s <= hi_log for s in stats])
             else:
                 keep_rows.append([s <= upper for s in stats])
+        metrics.update(_rule_metrics(option, stat_rows, valid_rows, *((lo_log, hi_log) if estimator == "k1"
+                                                                      else (None, upper))))
         rejected_rows = [any(ok and not k for k, ok in zip(kr, v)) for kr, v in zip(keep_rows, valid_rows)]
         metrics[f"rollout_rs_{option}_masked_fraction"] = _mean([float(not k) for k in _flat(keep_rows)],
                                                                 _flat(valid_rows))
@@ -158,6 +161,42 @@ def rejection_mask(rows, rules: list[tuple[str, str]]):
         any(ok and not k for k, ok in zip(ka, v)) for ka, v in zip(keep_all, valid_rows)) / len(rows)
     accepted = [[k and ok for k, ok in zip(ka, v)] for ka, v in zip(keep_all, valid_rows)]
     return accepted, metrics
+
+
+def _rule_metrics(option: str, stat_rows, valid_rows, low, high) -> dict[str, float]:
+    """verl's `compute_rs_metrics` for one rule: per-token statistics `stat_rows` (a sequence rule repeats its
+    sequence statistic over the row), thresholds in the statistic's units (low None: no lower bound)."""
+    sequence = not option.startswith("token")
+    flat, flat_valid = _flat(stat_rows), _flat(valid_rows)
+    has = [any(v) for v in valid_rows]
+    seq = [row[0] if sequence else _mean(row, v) for row, v in zip(stat_rows, valid_rows)]
+    seq = [x for x, h in zip(seq, has) if h]
+    p = f"rollout_rs_{option}"
+    m = {f"{p}_mean": _mean(flat, flat_valid)}
+    chosen = seq if sequence else [x for x, ok in zip(flat, flat_valid) if ok]
+    m[f"{p}_max"], m[f"{p}_min"] = max(chosen), min(chosen)
+    if sequence:
+        m[f"{p}_fraction_high"] = sum(x > high for x in seq) / len(seq)
+        m[f"{p}_fraction_low"] = sum(x < low for x in seq) / len(seq) if low is not None else 0.0
+    else:
+        m[f"{p}_fraction_high"] = _mean([float(x > high) for x in flat], flat_valid)
+        m[f"{p}_fraction_low"] = _mean([float(x < low) for x in flat], flat_valid) if low is not None else 0.0
+    if sum(flat_valid) > 1:
+        floor = low if low is not None else 0.0
+        clamped = [min(max(x, floor), high) for x in flat]
+        var = _mean([c * c for c in clamped], flat_valid) - _mean(clamped, flat_valid) ** 2
+        m[f"{p}_std"] = math.sqrt(max(var, 0.0))
+    else:
+        m[f"{p}_std"] = 0.0
+    mu = sum(seq) / len(seq)
+    m[f"{p}_seq_mean"] = mu
+    m[f"{p}_seq_std"] = math.sqrt(sum((x - mu) ** 2 for x in seq) / (len(seq) - 1)) if len(seq) > 1 else 0.0
+    m[f"{p}_seq_max"], m[f"{p}_seq_min"] = max(seq), min(seq)
+    m[f"{p}_seq_max_deviation"] = max(abs(x) for x in seq)
+    m[f"{p}_seq_fraction_high"] = sum(x > high for x in seq) / len(seq)
+    if low is not None:
+        m[f"{p}_seq_fraction_low"] = sum(x < low for x in seq) / len(seq)
+    return m
 
 
 def grpo_advantages(rewards, group_size: int, eps: float = 1e-6) -> list[float]:

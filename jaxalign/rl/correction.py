@@ -22,8 +22,9 @@ re-implementation of its helper in tests/test_correction_parity.py:
   thresholds, per-sequence statistics), with `rollout_is_std` and `rollout_is_eff_sample_size` on the weights
   clamped into [1/C, C] (at sequence level verl clamps rollout_is_max's exponent to 20 but not rollout_is_min's, so
   min can exceed max); `rollout_rs_masked_fraction` (valid tokens rejected by any rule) and
-  `rollout_rs_seq_masked_fraction` (rows with a rejected valid token, token rules included, over all rows), and
-  the same two per rule; plus this project's `max_abs_logp_diff`, `extreme_frac_tau2` and
+  `rollout_rs_seq_masked_fraction` (rows with a rejected valid token, token rules included, over all rows), the
+  same two per rule, verl's per-rule statistics (`rollout_rs_<mode>_mean/max/min/std/fraction_high/...`);
+  plus this project's `max_abs_logp_diff`, `extreme_frac_tau2` and
   `bitwise_equal_fraction`.
 
 Deliberate difference: the returned weights are exactly 0 on padding whatever the padding holds; verl's are
@@ -141,23 +142,51 @@ def _is_metrics(w: np.ndarray, for_metrics: np.ndarray, mask: np.ndarray, level:
     return out
 
 
-def _keep(mode: str, threshold: str, log_ratio: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """verl's per-token keep mask [B, S] for one rejection rule (before AND-ing with the valid mask)."""
+def _rule(mode: str, threshold: str, log_ratio: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, dict]:
+    """verl's per-token keep mask [B, S] for one rejection rule (before AND-ing with the valid mask) and its
+    `compute_rs_metrics` (names without the `rollout_rs_<mode>` prefix)."""
     kind, estimator = mode.rsplit("_", 1)
     safe = np.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     value = {"k1": -safe, "k2": 0.5 * safe ** 2, "k3": np.exp(safe) - 1.0 - safe}[estimator]
-    if kind != "token":
+    if kind == "token":
+        seq = _masked_mean(value, mask, axis=1)
+    else:
         if kind == "seq_max":
             top = np.where(mask, value, -np.inf).max(axis=1)
-            stat = np.where(top == -np.inf, 0.0, top)
+            seq = np.where(top == -np.inf, 0.0, top)
         else:
-            stat = _masked_mean(value, mask, axis=1) if kind == "seq_mean" else np.sum(np.where(mask, value, 0.0),
-                                                                                       axis=1)
-        value = np.broadcast_to(stat[:, None], log_ratio.shape)
+            seq = _masked_mean(value, mask, axis=1) if kind == "seq_mean" else np.sum(np.where(mask, value, 0.0),
+                                                                                      axis=1)
+        value = np.broadcast_to(seq[:, None], log_ratio.shape)
     if estimator == "k1":
         low, high = _band(threshold)  # compared in log space with math.log, as verl does
-        return (value >= (math.log(low) if low > 0 else -math.inf)) & (value <= math.log(high))
-    return value <= float(threshold)
+        low, high = (math.log(low) if low > 0 else -math.inf), math.log(high)
+        keep = (value >= low) & (value <= high)
+    else:
+        low, high = 0.0, float(threshold)
+        keep = value <= high
+    seq_valid = seq[mask.any(1)]
+    if kind == "token":  # verl: token statistics over valid tokens (masked means), sequence ones over valid rows
+        level_values = value[mask]
+        fraction = lambda hit: _masked_mean(hit, mask)  # noqa: E731
+    else:
+        level_values = seq_valid
+        fraction = lambda hit: np.mean(hit[mask.any(1), 0])  # noqa: E731
+    stats = {"mean": _masked_mean(value, mask), "max": level_values.max(), "min": level_values.min(),
+             "fraction_high": fraction(value > high),
+             "fraction_low": fraction(value < low) if estimator == "k1" else 0.0}
+    if mask.sum() > 1:
+        clamped = np.clip(value, low, high)
+        var = _masked_mean(clamped ** 2, mask) - _masked_mean(clamped, mask) ** 2
+        stats["std"] = np.sqrt(max(var, 0.0))
+    else:
+        stats["std"] = 0.0
+    stats.update({"seq_mean": seq_valid.mean(), "seq_std": seq_valid.std(ddof=1) if seq_valid.size > 1 else 0.0,
+                  "seq_max": seq_valid.max(), "seq_min": seq_valid.min(),
+                  "seq_max_deviation": np.abs(seq_valid).max(), "seq_fraction_high": np.mean(seq_valid > high)})
+    if estimator == "k1":
+        stats["seq_fraction_low"] = np.mean(seq_valid < low)
+    return keep, {k: float(v) for k, v in stats.items()}
 
 
 def correct(logp_old, logp_rollout, mask, cfg: CorrectionConfig) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -201,7 +230,8 @@ def correct(logp_old, logp_rollout, mask, cfg: CorrectionConfig) -> tuple[np.nda
         valid_rows = mask.any(1)
         for item in dict.fromkeys(cfg.rs):  # verl drops repeated rules
             mode, _, threshold = item.partition(":")
-            rule_keep = _keep(mode, threshold, log_ratio, mask)
+            rule_keep, rule_stats = _rule(mode, threshold, log_ratio, mask)
+            metrics.update({f"rollout_rs_{mode}_{k}": v for k, v in rule_stats.items()})
             keep &= rule_keep
             rejected = ~rule_keep & mask
             metrics[f"rollout_rs_{mode}_masked_fraction"] = float(_masked_mean(~rule_keep, mask))
