@@ -1,6 +1,5 @@
 """Countdown: generator, TinyZero-equivalent scoring without eval, fuzzing, tokenizer."""
 
-import time
 from fractions import Fraction
 
 import pytest
@@ -24,7 +23,9 @@ from jaxalign.rl import countdown, tokenizer
     ("<answer>7/(5-5)*1</answer>", 0.1),  # division by zero, and 5 twice
     ("<answer></answer>", 0.1),
     ("<answer>34</answer>", 0.1),
-    ("<answer>7.0*5.0-1.0</answer>", 1.0),  # TinyZero's regex accepts decimals; the multiset still matches
+    ("<answer>7.0*5.0-1.0</answer>", 0.1),  # TinyZero reads the digit runs 7 0 5 0 1 0: not the numbers
+    ("<answer>(7*5-1).</answer>", 0.1),  # a stray '.': a syntax error for TinyZero's eval
+    ("<answer>7*5-1</answer>\n", 0.0),  # TinyZero reads only the last line
 ])
 def test_tinyzero_verdicts(completion, expected):
     assert countdown.score((7, 1, 5), 34, completion) == expected
@@ -52,20 +53,17 @@ def test_generated_problems_are_solvable_and_deterministic():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet="0123456789+-*/(). <>answer/x", max_size=300))
-def test_score_never_raises_and_stays_bounded(text):
-    start = time.perf_counter()
-    value = countdown.score((3, 4, 5), 12, text)
-    assert value in (0.0, 0.1, 1.0)
-    assert time.perf_counter() - start < 0.5
+@given(st.text(alphabet="0123456789+-*/(). <>answer/x\n\r\t\x0b\xa0\u0663", max_size=300))
+def test_score_never_raises(text):
+    assert countdown.score((3, 4, 5), 12, text) in (0.0, 0.1, 1.0)
 
 
 @pytest.mark.parametrize("answer", ["9" * 5000, "(" * 1000 + "1" + ")" * 1000, "-" * 3000 + "1",
-                                    "1/0", "99999999999999999999*99999999999999999999"])
-def test_hostile_answers_are_cheap(answer):
-    start = time.perf_counter()
-    assert countdown.score((3, 4, 5), 12, f"<answer>{answer}</answer>") == 0.1
-    assert time.perf_counter() - start < 0.5
+                                    "(" * 100 + "3*4+5-5" + ")" * 100, "1/0",
+                                    "99999999999999999999*99999999999999999999"])
+def test_hostile_answers_are_refused_by_the_guards(answer):
+    """Guards bound the parser's work (the time bound on any input: tests/test_countdown_parity.py)."""
+    assert countdown.score((3, 4, 5, 5), 12, f"<answer>{answer}</answer>") == 0.1
 
 
 def test_tokenizer_round_trip_and_vocabulary():

@@ -9,9 +9,11 @@ from jaxalign.rl.grpo import GRPOConfig, group_advantages, policy_loss
 
 
 def test_group_advantages():
-    adv = group_advantages([1.0, 0.0, 0.0, 1.0, 0.1, 0.1, 0.1, 0.1], 4)
-    np.testing.assert_allclose(adv[:4], [1, -1, -1, 1], atol=1e-5)
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0, 0.1, 0.1, 0.1, 0.1], 4)  # verl: unbiased std, sqrt(1/3)
+    np.testing.assert_allclose(adv[:4], np.array([1, -1, -1, 1]) * np.sqrt(3) / 2, atol=1e-5)
     np.testing.assert_allclose(adv[4:], 0.0, atol=1e-5)
+    population = group_advantages([1.0, 0.0, 0.0, 1.0, 0.1, 0.1, 0.1, 0.1], 4, std="population")
+    np.testing.assert_allclose(population[:4], [1, -1, -1, 1], atol=1e-5)
     with pytest.raises(ValueError, match="groups of 4"):
         group_advantages([1.0, 2.0, 3.0], 4)
 
@@ -26,7 +28,10 @@ def test_ppo_clip_with_separate_epsilons_and_aggregations():
     # row 0 (A=+1): min(1.5, 1.28) = 1.28, min(0.5, 0.8) = 0.5; row 1 (A=-1): -max(1.1,...)... per token:
     per_token = np.array([[-1.28, -0.5, 0.0], [1.1, 1.0, 1.0]])
     assert float(loss) == pytest.approx(per_token[np.asarray(mask)].mean(), rel=1e-5)
-    assert float(stats["clip_fraction"]) == pytest.approx(2 / 5)
+    assert float(stats["clip_fraction"]) == pytest.approx(1 / 5)  # clipping active only for the 1.5 (A > 0)
+    _, outside = policy_loss(logp, logp_old, adv, jnp.ones((2, 3)), mask,
+                             GRPOConfig(clip_low=0.2, clip_high=0.28, clip_fraction="outside"))
+    assert float(outside["clip_fraction"]) == pytest.approx(2 / 5)  # 1.5 and 0.5 lie outside [0.8, 1.28]
     seq_loss, _ = policy_loss(logp, logp_old, adv, jnp.ones((2, 3)), mask,
                               GRPOConfig(loss_agg="seq-mean-token-mean"))
     assert float(seq_loss) == pytest.approx(np.mean([(-1.28 - 0.5) / 2, (1.1 + 1.0 + 1.0) / 3]), rel=1e-5)

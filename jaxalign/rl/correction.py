@@ -1,25 +1,44 @@
-"""Rollout correction as in verl's `algorithm.rollout_correction`: importance weights and rejection sampling for
-the gap between the rollout engine's logprobs and the trainer's.
+"""Rollout correction as in verl's `algorithm.rollout_correction` (`verl/trainer/ppo/rollout_corr_helper.py`):
+importance weights and rejection sampling for the gap between the rollout engine's logprobs and the trainer's.
 
-All inputs are per-token arrays [batch, seq] with a mask of valid (completion) tokens. Log ratios are clamped to
-+-20 before exp. Weights and masks are computed with numpy on the host: they are constants of the loss (no
-gradient flows through them).
+All inputs are per-token arrays [batch, seq] with a mask of valid (completion) tokens; the log ratio is
+log(pi_old / pi_rollout) = logp_old - logp_rollout. Weights and masks are computed with numpy in float64 on the
+host: they are constants of the loss (no gradient flows through them). Semantics are verl's, checked against a
+re-implementation of its helper in tests/test_correction_parity.py:
 
-- IS level: "token" (w_t = pi_old/pi_rollout per token), "sequence" (the product over the sequence, broadcast),
-  or "none".
-- IS threshold: a float C -> truncated IS (TIS, min(w, C)); "lo_hi" -> IcePop (w outside [lo, hi] set to 0).
-- Rejection sampling (`rs`, each entry "mode:threshold", AND of all): token_k1 (ratio band "lo_hi", a single u
-  meaning [1/u, u]), token_k2, token_k3 (upper bounds); seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 reject
-  whole sequences. "Geometric" RS is seq_mean_k1 with 0.999_1.001.
+- IS level: "token" (w_t = exp(clamp(log ratio, +-20))), "sequence" (exp of the clamped *sum* of the unclamped
+  token log ratios, broadcast over the sequence), or "none" (weights 1).
+- IS threshold: a float C -> truncated IS (TIS, min(w, C)), verl's only mode. Extension, not in verl's helper:
+  "lo_hi" -> IcePop (w outside [lo, hi] set to 0); its metrics use lo and hi where verl's use 1/C and C.
+- Batch normalisation (`normalize_weights`, verl's rollout_is_batch_normalize): after truncation and before
+  rejection, the weights are divided by their mean over valid tokens ("token") or over sequences with a valid
+  token ("sequence"), when that mean exceeds 1e-8.
+- Rejection sampling (`rs`, each entry "mode:threshold", AND of all; it edits the accepted mask, never the
+  weights): token_k1 and seq_sum_k1 / seq_mean_k1 bound k1 = -log ratio = log(pi_rollout / pi_old) to the ratio
+  band "lo_hi" (a single u meaning [1/u, u]); token_k2|k3, seq_sum_k2|k3, seq_mean_k2|k3 and seq_max_k2|k3 take
+  an upper bound. "Geometric" RS is seq_mean_k1 with 0.999_1.001.
+- Metrics (prefix `rollout_corr/`): verl's off-policy metrics (`align.metrics.verl_offpolicy_metrics`); its IS
+  metrics, computed on the weights before truncation (`rollout_is_mean/min/max`, the fractions beyond the
+  thresholds, per-sequence statistics), with `rollout_is_std` and `rollout_is_eff_sample_size` on the weights
+  clamped into [1/C, C] (at sequence level verl clamps rollout_is_max's exponent to 20 but not rollout_is_min's, so
+  min can exceed max); `rollout_rs_masked_fraction` (valid tokens rejected by any rule) and
+  `rollout_rs_seq_masked_fraction` (rows with a rejected valid token, token rules included, over all rows), the
+  same two per rule, verl's per-rule statistics (`rollout_rs_<mode>_mean/max/min/std/fraction_high/...`);
+  plus this project's `max_abs_logp_diff`, `extreme_frac_tau2` and
+  `bitwise_equal_fraction`.
+
+Deliberate difference: the returned weights are exactly 0 on padding whatever the padding holds; verl's are
+exp(padding) * 0, NaN where the padding is NaN. Valid tokens' weights never depend on padding in either.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
-from jaxalign.align.metrics import LOG_RATIO_CLAMP, mismatch_metrics
+from jaxalign.align.metrics import LOG_RATIO_CLAMP, mismatch_metrics, verl_offpolicy_metrics
 
 RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
             "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
@@ -75,74 +94,153 @@ class CorrectionConfig:
                     raise ValueError(f"rejection rule {item!r}: k2/k3 take an upper bound (a float)") from None
 
 
-def _estimators(log_ratio: np.ndarray) -> dict[str, np.ndarray]:
-    return {"k1": log_ratio, "k2": 0.5 * log_ratio ** 2, "k3": np.exp(log_ratio) - 1.0 - log_ratio}
+def _masked_mean(x: np.ndarray, mask: np.ndarray, axis=None) -> np.ndarray:
+    """verl's masked mean: values outside the mask are never read; the count gets + 1e-8."""
+    return np.sum(np.where(mask, x, 0.0), axis=axis) / (np.sum(mask, axis=axis) + 1e-8)
+
+
+def _weights(log_ratio: np.ndarray, mask: np.ndarray, level: str) -> tuple[np.ndarray, np.ndarray]:
+    """Untruncated IS weights [B, S] (0 on padding) and the log ratio verl's metrics read ([B, S] or [B, 1])."""
+    if level == "sequence":
+        seq = np.sum(np.where(mask, log_ratio, 0.0), axis=1, keepdims=True)
+        w = np.broadcast_to(np.exp(np.clip(seq, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), log_ratio.shape)
+        return np.where(mask, w, 0.0), seq
+    return np.where(mask, np.exp(np.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), 0.0), log_ratio
+
+
+def _is_metrics(w: np.ndarray, for_metrics: np.ndarray, mask: np.ndarray, level: str, low: float,
+                high: float) -> dict[str, float]:
+    """verl's `compute_is_metrics` on the untruncated weights `w`; [low, high] = [1/C, C] for TIS."""
+    out = {"rollout_is_mean": float(_masked_mean(w, mask))}
+    if level == "sequence":
+        out["rollout_is_max"] = float(np.exp(min(for_metrics.max(), LOG_RATIO_CLAMP)))
+        out["rollout_is_min"] = float(np.exp(for_metrics.min()))
+        out["rollout_is_ratio_fraction_high"] = float(np.mean(for_metrics > np.log(high)))
+        out["rollout_is_ratio_fraction_low"] = float(np.mean(for_metrics < np.log(low)) if low > 0 else 0.0)
+    else:
+        out["rollout_is_ratio_fraction_high"] = float(_masked_mean(w > high, mask))
+        out["rollout_is_ratio_fraction_low"] = float(_masked_mean(w < low, mask))
+        out["rollout_is_max"] = float(w[mask].max())
+        out["rollout_is_min"] = float(w[mask].min())
+    clamped = np.clip(w, low, high)
+    if mask.sum() > 1:
+        mean = _masked_mean(clamped, mask)
+        out["rollout_is_std"] = float(np.sqrt(max(_masked_mean(clamped ** 2, mask) - mean ** 2, 0.0)))
+    else:
+        out["rollout_is_std"] = 0.0
+    normalised = clamped / (_masked_mean(clamped, mask) + 1e-8)
+    out["rollout_is_eff_sample_size"] = float(1.0 / _masked_mean(normalised ** 2, mask))
+    seq = _masked_mean(w, mask, axis=1)
+    out.update({
+        "rollout_is_seq_mean": float(seq.mean()),
+        "rollout_is_seq_std": float(seq.std(ddof=1)) if seq.size > 1 else 0.0,
+        "rollout_is_seq_max": float(seq.max()), "rollout_is_seq_min": float(seq.min()),
+        "rollout_is_seq_max_deviation": float(np.abs(seq - 1.0).max()),
+        "rollout_is_seq_fraction_high": float(np.mean(seq > high)),
+        "rollout_is_seq_fraction_low": float(np.mean(seq < low)),
+    })
+    return out
+
+
+def _rule(mode: str, threshold: str, log_ratio: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, dict]:
+    """verl's per-token keep mask [B, S] for one rejection rule (before AND-ing with the valid mask) and its
+    `compute_rs_metrics` (names without the `rollout_rs_<mode>` prefix)."""
+    kind, estimator = mode.rsplit("_", 1)
+    safe = np.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    value = {"k1": -safe, "k2": 0.5 * safe ** 2, "k3": np.exp(safe) - 1.0 - safe}[estimator]
+    if kind == "token":
+        seq = _masked_mean(value, mask, axis=1)
+    else:
+        if kind == "seq_max":
+            top = np.where(mask, value, -np.inf).max(axis=1)
+            seq = np.where(top == -np.inf, 0.0, top)
+        else:
+            seq = _masked_mean(value, mask, axis=1) if kind == "seq_mean" else np.sum(np.where(mask, value, 0.0),
+                                                                                      axis=1)
+        value = np.broadcast_to(seq[:, None], log_ratio.shape)
+    if estimator == "k1":
+        low, high = _band(threshold)  # compared in log space with math.log, as verl does
+        low, high = (math.log(low) if low > 0 else -math.inf), math.log(high)
+        keep = (value >= low) & (value <= high)
+    else:
+        low, high = 0.0, float(threshold)
+        keep = value <= high
+    seq_valid = seq[mask.any(1)]
+    if kind == "token":  # verl: token statistics over valid tokens (masked means), sequence ones over valid rows
+        level_values = value[mask]
+        fraction = lambda hit: _masked_mean(hit, mask)  # noqa: E731
+    else:
+        level_values = seq_valid
+        fraction = lambda hit: np.mean(hit[mask.any(1), 0])  # noqa: E731
+    stats = {"mean": _masked_mean(value, mask), "max": level_values.max(), "min": level_values.min(),
+             "fraction_high": fraction(value > high),
+             "fraction_low": fraction(value < low) if estimator == "k1" else 0.0}
+    if mask.sum() > 1:
+        clamped = np.clip(value, low, high)
+        var = _masked_mean(clamped ** 2, mask) - _masked_mean(clamped, mask) ** 2
+        stats["std"] = np.sqrt(max(var, 0.0))
+    else:
+        stats["std"] = 0.0
+    stats.update({"seq_mean": seq_valid.mean(), "seq_std": seq_valid.std(ddof=1) if seq_valid.size > 1 else 0.0,
+                  "seq_max": seq_valid.max(), "seq_min": seq_valid.min(),
+                  "seq_max_deviation": np.abs(seq_valid).max(), "seq_fraction_high": np.mean(seq_valid > high)})
+    if estimator == "k1":
+        stats["seq_fraction_low"] = np.mean(seq_valid < low)
+    return keep, {k: float(v) for k, v in stats.items()}
 
 
 def correct(logp_old, logp_rollout, mask, cfg: CorrectionConfig) -> tuple[np.ndarray, np.ndarray, dict]:
-    """IS weights [B, S], the accepted-token mask [B, S] and verl-named metrics (`rollout_corr/...`)."""
+    """IS weights [B, S] (0 on padding; not zeroed where rejected), the accepted-token mask [B, S] (valid and
+    kept by every rejection rule) and verl-named metrics (`rollout_corr/...`). See the module docstring."""
     lo = np.asarray(logp_old, np.float64)
     lr = np.asarray(logp_rollout, np.float64)
     mask = np.asarray(mask, bool)
-    log_ratio = np.clip(lo - lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask
-    # --- importance weights
-    if cfg.is_level == "sequence":
-        seq = np.clip(log_ratio.sum(1, keepdims=True), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        weights = np.broadcast_to(np.exp(seq), lo.shape).copy()
-    elif cfg.is_level == "token":
-        weights = np.exp(log_ratio)
-    else:
-        weights = np.ones_like(lo)
-    raw = weights.copy()
-    if cfg.is_level != "none":
-        if "_" in cfg.is_threshold:
-            low, high = _band(cfg.is_threshold)
-            weights = np.where((weights >= low) & (weights <= high), weights, 0.0)
+    if lo.shape != lr.shape or lo.shape != mask.shape or lo.ndim != 2:
+        raise ValueError(f"logp_old {lo.shape}, logp_rollout {lr.shape} and mask {mask.shape} must be one "
+                         f"[batch, seq] shape")
+    if not mask.any():
+        raise ValueError("mask selects no token; nothing to correct")
+    with np.errstate(over="ignore", invalid="ignore"):
+        log_ratio = np.where(mask, lo - lr, 0.0)  # padding is never read, whatever it holds (NaN included)
+        metrics = {}
+        if cfg.is_level == "none":
+            weights = mask.astype(np.float64)
         else:
-            weights = np.minimum(weights, float(cfg.is_threshold))
-    # --- rejection sampling
-    accept = mask.copy()
-    seq_accept = np.ones(lo.shape[0], bool)
-    est = _estimators(log_ratio)
-    count = np.maximum(mask.sum(1), 1)
-    for item in cfg.rs:
-        mode, _, threshold = item.partition(":")
-        kind, estimator = mode.rsplit("_", 1)
-        value = est[estimator]
-        if kind == "token":
-            if estimator == "k1":
-                low, high = _band(threshold)
-                ok = (np.exp(log_ratio) >= low) & (np.exp(log_ratio) <= high)
+            weights, for_metrics = _weights(log_ratio, mask, cfg.is_level)
+            if "_" in cfg.is_threshold:
+                low, high = _band(cfg.is_threshold)
             else:
-                ok = value <= float(threshold)
-            accept &= ok | ~mask
-            continue
-        masked = np.where(mask, value, 0.0)
-        stat = {"seq_sum": masked.sum(1), "seq_mean": masked.sum(1) / count,
-                "seq_max": np.where(mask, value, -np.inf).max(1)}[kind]
-        if estimator == "k1":
-            low, high = _band(threshold)
-            ok = (np.exp(stat) >= low) & (np.exp(stat) <= high)
-        else:
-            ok = stat <= float(threshold)
-        seq_accept &= ok
-    accept &= seq_accept[:, None]
-    weights = weights * accept
-    if cfg.normalize_weights and accept.any():
-        weights = weights / weights[accept].mean()
-    valid_w = raw[mask]
-    normalised = valid_w / max(valid_w.mean(), 1e-12)
-    metrics = {f"rollout_corr/{k}": v for k, v in mismatch_metrics(lo, lr, mask).items()
-               if k in ("kl", "k3_kl", "chi2_token", "chi2_seq", "training_ppl", "rollout_ppl", "log_ppl_diff",
-                        "log_ppl_abs_diff", "ppl_ratio", "max_abs_logp_diff", "extreme_frac_tau2",
-                        "bitwise_equal_fraction")}
-    metrics.update({
-        "rollout_corr/rollout_is_mean": float(valid_w.mean()),
-        "rollout_corr/rollout_is_std": float(valid_w.std()),
-        "rollout_corr/rollout_is_min": float(valid_w.min()),
-        "rollout_corr/rollout_is_max": float(valid_w.max()),
-        "rollout_corr/rollout_is_eff_sample_size": float(1.0 / np.mean(normalised ** 2)),
-        "rollout_corr/rollout_rs_masked_fraction": float(1.0 - accept[mask].mean()),
-        "rollout_corr/rollout_rs_seq_masked_fraction": float(1.0 - seq_accept[mask.any(1)].mean()),
-    })
-    return weights.astype(np.float32), accept, metrics
+                high = float(cfg.is_threshold)
+                low = 1.0 / high
+            metrics.update(_is_metrics(weights, for_metrics, mask, cfg.is_level, low, high))
+            if "_" in cfg.is_threshold:
+                weights = np.where((weights >= low) & (weights <= high), weights, 0.0)
+            else:
+                weights = np.minimum(weights, high)
+            if cfg.normalize_weights:
+                if cfg.is_level == "token":
+                    mean = _masked_mean(weights, mask)
+                else:
+                    valid_rows = mask.any(1)
+                    mean = np.sum(_masked_mean(weights, mask, axis=1) * valid_rows) / max(valid_rows.sum(), 1e-8)
+                metrics["rollout_is_batch_norm_factor"] = float(mean) if mean > 1e-8 else 1.0
+                if mean > 1e-8:
+                    weights = weights / mean
+        keep = np.ones(lo.shape, bool)
+        valid_rows = mask.any(1)
+        for item in dict.fromkeys(cfg.rs):  # verl drops repeated rules
+            mode, _, threshold = item.partition(":")
+            rule_keep, rule_stats = _rule(mode, threshold, log_ratio, mask)
+            metrics.update({f"rollout_rs_{mode}_{k}": v for k, v in rule_stats.items()})
+            keep &= rule_keep
+            rejected = ~rule_keep & mask
+            metrics[f"rollout_rs_{mode}_masked_fraction"] = float(_masked_mean(~rule_keep, mask))
+            metrics[f"rollout_rs_{mode}_seq_masked_fraction"] = (
+                float(np.sum(rejected.any(1) & valid_rows) / valid_rows.sum()))
+        accept = keep & mask
+        metrics["rollout_rs_masked_fraction"] = float(_masked_mean(~keep, mask))
+        metrics["rollout_rs_seq_masked_fraction"] = float(np.mean((~keep & mask).any(1)))
+    metrics.update(verl_offpolicy_metrics(lo, lr, mask))
+    extras = mismatch_metrics(lo, lr, mask)
+    metrics.update({k: extras[k] for k in ("max_abs_logp_diff", "extreme_frac_tau2", "bitwise_equal_fraction")})
+    return weights.astype(np.float32), accept, {f"rollout_corr/{k}": v for k, v in metrics.items()}

@@ -1,8 +1,31 @@
 """Countdown (as in TinyZero): reach a target with + - * / and parentheses, using each given number once.
 
 `generate_problems` builds solvable problems by construction (a random expression over the numbers defines the
-target). `score` reproduces TinyZero's verdicts with a safe parser and exact rational arithmetic -- no `eval`,
-and bounded work on any input.
+target). `score` gives TinyZero's verdicts (`verl/utils/reward_score/countdown.py`, `compute_score`, which
+`eval`s the answer) with a lexer that follows Python's for the characters TinyZero lets through, a
+recursive-descent parser and exact rational arithmetic -- no `eval`, and time linear in the completion's length
+whatever the input.
+
+What is TinyZero's, followed exactly (tests/test_countdown_parity.py measures it on generated completions):
+- the completion is the text after TinyZero's "Assistant:" marker; only its last line (after the last `\n`)
+  is read, and in it the last of the non-overlapping `<answer>...</answer>` pairs, stripped; none -> 0.0;
+- numbers: the digit runs of the answer must be the given numbers as a multiset;
+- literals as Python reads them: `7.` is 7, `00` is 0, `052` is a syntax error (0.1) but `052.` is 52;
+- whitespace as Python reads it inside one line: space, tab and form feed anywhere, a carriage return only
+  inside parentheses (Python's implicit line joining); any other whitespace or control character, and any
+  non-ASCII digit, is a syntax error (0.1);
+- a value within 1e-5 (the double 1e-5) of the target scores 1.0, anything else that was extracted 0.1.
+
+Deliberate differences (each pinned by a test; TinyZero's verdict differs only on these):
+- `**` (power) and `//` (floor division) are not Countdown operators: 0.1 here; TinyZero evaluates them, so
+  `2**3*1` scores 1.0 for target 8 there, and `9**9**9**9` never returns.
+- A literal with a fraction part (`84.5`, `.5`, `5.0`): 0.1 here. TinyZero reads its digit runs as separate
+  numbers, so `84.5*4` uses the numbers {84, 5, 4} and scores 1.0 for target 338, and `.5` turns 5 into 0.5.
+  (`73.0` agrees: its digit runs 73 and 0 are not the numbers unless 0 is one of them.)
+- Exact rational arithmetic: TinyZero divides in floating point, so with 12-digit numbers rounding can move a
+  result across the 1e-5 tolerance (`999999999999+3/100000` "equals" 999999999999 there).
+- Guards: answers over MAX_EXPRESSION_CHARS characters, literals over MAX_LITERAL_DIGITS digits and nesting
+  (parentheses plus unary signs) deeper than MAX_DEPTH score 0.1 here; TinyZero has no such limits.
 """
 
 from __future__ import annotations
@@ -17,8 +40,11 @@ FORMAT_SCORE = 0.1
 MAX_EXPRESSION_CHARS = 200
 MAX_LITERAL_DIGITS = 12
 MAX_DEPTH = 32
-_ALLOWED = re.compile(r"^[\d+\-*/().\s]+$")
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+OPEN, CLOSE = "<answer>", "</answer>"
+_LITERAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")  # Python's decimal literals, ASCII digits only
+_ZEROS = re.compile(r"0+")
+_ONE_LINE_SPACE = " \t\f"  # what Python's tokenizer skips inside a line
+TOLERANCE = Fraction(1e-5)  # TinyZero compares against the double 1e-5, slightly above 1/100000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,18 +116,62 @@ def generate_problems(n: int, seed: int, *, count=(3, 3), low: int = 1, high: in
     return out
 
 
+class _Reject(ValueError):
+    """The answer is not an expression this scorer accepts (TinyZero would give the format score too, except for
+    the deliberate differences in the module docstring)."""
+
+
+def _tokens(text: str) -> list[str]:
+    """Python's tokens for an expression over `+ - * / ( )` and decimal literals; `_Reject` on anything else.
+
+    Literals with a fraction part, integer literals with leading zeros and literals over MAX_LITERAL_DIGITS digits
+    are refused here; `**` and `//` come out as single tokens (which the parser refuses)."""
+    out, i, depth, n = [], 0, 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch in _ONE_LINE_SPACE or (ch == "\r" and depth > 0):
+            i += 1
+            continue
+        if ch in "0123456789.":
+            match = _LITERAL.match(text, i)
+            if match is None:
+                raise _Reject(f"stray '.' at {i}")
+            tok = match.group()
+            if "." in tok and not tok.endswith("."):
+                raise _Reject(f"literal {tok!r} has a fraction part")
+            digits = tok.rstrip(".")
+            if "." not in tok and len(digits) > 1 and digits[0] == "0" and not _ZEROS.fullmatch(digits):
+                raise _Reject(f"integer literal {tok!r} has leading zeros")
+            if len(digits) > MAX_LITERAL_DIGITS:
+                raise _Reject("literal too long")
+            out.append(tok)
+            i = match.end()
+            continue
+        if ch in "*/" and text.startswith(ch * 2, i):
+            out.append(ch * 2)
+            i += 2
+            continue
+        if ch in "+-*/()":
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            out.append(ch)
+            i += 1
+            continue
+        raise _Reject(f"character {ch!r} at {i}")
+    return out
+
+
 class _Parser:
-    """Recursive-descent parser for + - * / ( ) over non-negative decimal literals, evaluated exactly."""
+    """Recursive-descent parser for + - * / ( ) and unary signs over `_tokens`, evaluated exactly."""
 
     def __init__(self, text: str):
-        self.tokens = re.findall(r"\d+(?:\.\d+)?|\.\d+|[+\-*/()]", text)
+        self.tokens = _tokens(text)
         self.pos = 0
-        self.literals: list[Fraction] = []
+        self.literals: list[int] = []
 
     def parse(self) -> Fraction:
         value = self._sum(0)
         if self.pos != len(self.tokens):
-            raise ValueError("trailing input")
+            raise _Reject("trailing input")
         return value
 
     def _peek(self):
@@ -132,50 +202,59 @@ class _Parser:
 
     def _unary(self, depth):
         if depth > MAX_DEPTH:
-            raise ValueError("nesting too deep")
+            raise _Reject("nesting too deep")
         tok = self._peek()
-        if tok == "-":
+        if tok in ("-", "+"):
             self.pos += 1
-            return -self._unary(depth + 1)
-        if tok == "+":
-            self.pos += 1
-            return self._unary(depth + 1)
+            value = self._unary(depth + 1)
+            return -value if tok == "-" else value
         if tok == "(":
             self.pos += 1
             value = self._sum(depth + 1)
             if self._peek() != ")":
-                raise ValueError("unbalanced parentheses")
+                raise _Reject("unbalanced parentheses")
             self.pos += 1
             return value
-        if tok is None or tok in "+-*/)":
-            raise ValueError("expected a number")
+        if tok is None or tok[0] not in "0123456789.":
+            raise _Reject(f"expected a number, got {tok!r}")
         self.pos += 1
-        if len(tok.replace(".", "")) > MAX_LITERAL_DIGITS:
-            raise ValueError("literal too long")
-        value = Fraction(tok)
+        value = int(tok.rstrip("."))
         self.literals.append(value)
-        return value
+        return Fraction(value)
 
 
 def extract_answer(completion: str) -> str | None:
-    """The text inside the last <answer>...</answer> pair (TinyZero takes the last), or None."""
-    found = _ANSWER.findall(completion)
-    return found[-1].strip() if found else None
+    """TinyZero's answer: in the last line of `completion`, the last of the non-overlapping `<answer>...</answer>`
+    pairs found left to right (what `re.finditer(r"<answer>(.*?)</answer>")` yields), stripped; None if none.
+
+    Linear time: each `find` starts where the previous one stopped (the regex is quadratic in unclosed tags)."""
+    line_start = completion.rfind("\n") + 1
+    found, pos = None, line_start
+    while True:
+        opening = completion.find(OPEN, pos)
+        if opening < 0:
+            break
+        closing = completion.find(CLOSE, opening + len(OPEN))
+        if closing < 0:  # no closing after this opening, hence none after any later one
+            break
+        found, pos = (opening + len(OPEN), closing), closing + len(CLOSE)
+    return None if found is None else completion[found[0]:found[1]].strip()
 
 
 def score(numbers, target, completion: str, *, format_score: float = FORMAT_SCORE) -> float:
-    """TinyZero's reward: no answer 0; wrong number multiset, bad characters or unparsable -> `format_score`;
-    value within 1e-5 of the target 1.0, else `format_score`."""
+    """TinyZero's reward for `completion` (the text after the assistant marker): no answer 0.0; an answer whose
+    numbers are not `numbers` (as a multiset), that does not parse or divides by zero -> `format_score`; a value
+    within 1e-5 of `target` 1.0, else `format_score`. Deliberate differences: module docstring."""
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
-    if len(answer) > MAX_EXPRESSION_CHARS or not _ALLOWED.match(answer):
+    if len(answer) > MAX_EXPRESSION_CHARS:
         return format_score
-    parser = _Parser(answer)
     try:
+        parser = _Parser(answer)
         value = parser.parse()
-    except (ValueError, ZeroDivisionError):
+    except (_Reject, ZeroDivisionError):
         return format_score
-    if sorted(parser.literals) != sorted(Fraction(n) for n in numbers):
+    if sorted(parser.literals) != sorted(numbers):
         return format_score
-    return 1.0 if abs(value - Fraction(target)) < Fraction(1, 100000) else format_score
+    return 1.0 if abs(value - Fraction(target)) < TOLERANCE else format_score

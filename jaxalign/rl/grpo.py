@@ -1,5 +1,12 @@
 """GRPO: group-normalised advantages and the PPO-clip policy loss (with IS weights and a rejection mask from
-`correction`)."""
+`correction`).
+
+Defaults are verl's (`verl/trainer/ppo/core_algos.py`, checked in tests/test_correction_parity.py): advantages
+divide by the unbiased std of the group (`torch.std`), and `clip_fraction` is verl's `pg_clipfrac`, the fraction of
+valid tokens where clipping is active (the clipped term is the one `min` keeps). The population std
+(`std="population"`, 1.15x larger advantages at G=4) and the fraction of ratios outside the band whichever term
+wins (`GRPOConfig(clip_fraction="outside")`) are options.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+CLIP_FRACTIONS = ("active", "outside")
+ADVANTAGE_STDS = ("unbiased", "population")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +29,7 @@ class GRPOConfig:
     clip_high: float = 0.28
     loss_agg: str = "token-mean"
     kl_coef: float = 0.0
+    clip_fraction: str = "active"
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -30,20 +40,30 @@ class GRPOConfig:
             raise ValueError(f"loss_agg = {self.loss_agg!r}; allowed: {', '.join(LOSS_AGGREGATIONS)}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef = {self.kl_coef}; allowed: >= 0")
+        if self.clip_fraction not in CLIP_FRACTIONS:
+            raise ValueError(f"clip_fraction = {self.clip_fraction!r}; allowed: {', '.join(CLIP_FRACTIONS)}")
 
 
-def group_advantages(rewards, group_size: int, eps: float = 1e-6) -> np.ndarray:
-    """(r - mean(group)) / (std(group) + eps) for rewards laid out group after group."""
+def group_advantages(rewards, group_size: int, eps: float = 1e-6, *, std: str = "unbiased") -> np.ndarray:
+    """(r - mean(group)) / (std(group) + eps) for rewards laid out group after group; `std` "unbiased" (verl's
+    torch.std, n - 1) or "population" (n). A group of one gets mean 0 and std 1, as in verl."""
+    if std not in ADVANTAGE_STDS:
+        raise ValueError(f"std = {std!r}; allowed: {', '.join(ADVANTAGE_STDS)}")
     r = np.asarray(rewards, np.float64)
-    if r.size % group_size:
+    if group_size < 1 or r.size % group_size:
         raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
     g = r.reshape(-1, group_size)
-    return ((g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + eps)).reshape(-1).astype(np.float32)
+    if group_size == 1:
+        mean, spread = np.zeros_like(g), np.ones_like(g)
+    else:
+        mean, spread = g.mean(1, keepdims=True), g.std(1, keepdims=True, ddof=1 if std == "unbiased" else 0)
+    return ((g - mean) / (spread + eps)).reshape(-1).astype(np.float32)
 
 
 def policy_loss(logp, logp_old, advantages, weights, mask, cfg: GRPOConfig, logp_ref=None):
     """PPO-clip loss and diagnostics. All per-token [B, S] except advantages [B]; `mask` = accepted tokens,
-    `weights` = IS weights (constants). Returns (loss, {"clip_fraction", "ratio_mean", "kl_ref"})."""
+    `weights` = IS weights (constants). Returns (loss, {"clip_fraction", "ratio_mean", "kl_ref"}); clip_fraction
+    per `cfg.clip_fraction` (module docstring)."""
     mask = mask.astype(jnp.float32)
     ratio = jnp.exp(jnp.clip(logp - logp_old, -20.0, 20.0))
     adv = advantages[:, None]
@@ -62,6 +82,8 @@ def policy_loss(logp, logp_old, advantages, weights, mask, cfg: GRPOConfig, logp
         has = (jnp.sum(mask, 1) > 0).astype(jnp.float32)
         loss = jnp.sum(per_seq * has) / jnp.maximum(jnp.sum(has), 1.0)
     n = jnp.maximum(jnp.sum(mask), 1.0)
-    stats = {"clip_fraction": jnp.sum((unclipped != clipped) * mask) / n,
+    # verl's pg_clipfrac compares the losses: -A*clip(ratio) > -A*ratio, i.e. min() takes the clipped term
+    active = (-clipped > -unclipped) if cfg.clip_fraction == "active" else (unclipped != clipped)
+    stats = {"clip_fraction": jnp.sum(active * mask) / n,
              "ratio_mean": jnp.sum(ratio * mask) / n, "kl_ref": jnp.sum(kl_ref * mask) / n}
     return loss, stats
