@@ -133,8 +133,10 @@ def test_block_shapes_are_checked_against_the_product_and_the_backend():
     check_blocks((8, 64, 64), 32, 16, jnp.bfloat16, "pallas:8x64x64", "cpu")  # blocks >= dims: whole dims
     with pytest.raises(ValueError, match=r"pallas:8x16x16.*'cpu'.*BN = 16 does not divide 24"):
         check_blocks((8, 16, 16), 64, 24, jnp.bfloat16, "pallas:8x16x16", "cpu")
-    with pytest.raises(ValueError, match=r"'gpu'.*\('BM', 8\).*every block >= 16"):
+    with pytest.raises(ValueError, match=r"'gpu'.*\('BM', 8\).*power of two >= 16"):
         check_blocks((8, 16, 16), 64, 48, jnp.bfloat16, "pallas:8x16x16", "gpu")
+    with pytest.raises(ValueError, match=r"'gpu'.*\('BN', 48\).*power of two >= 16"):
+        check_blocks((16, 64, 16), 64, 48, jnp.bfloat16, "pallas:16x64x16", "gpu")
     check_blocks((16, 16, 16), 64, 48, jnp.bfloat16, "pallas:16x16x16", "gpu")
     with pytest.raises(ValueError, match=r"'tpu'.*multiple of 16 for bfloat16"):
         check_blocks((8, 128, 128), 256, 256, jnp.bfloat16, "pallas:8x128x128", "tpu")

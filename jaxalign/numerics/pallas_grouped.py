@@ -19,12 +19,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxalign.numerics.pallas_matmul import _block, _precision, _round_up, backend
 
 def _whole():
     """BlockSpec for an operand read whole (indexed inside the kernel)."""
     return pl.no_block_spec
+
+
+def _scalars(platform: str):
+    """BlockSpec for a whole int32 vector read one scalar at a time (SMEM on a TPU: Mosaic reads scalars
+    from there)."""
+    return pl.BlockSpec(memory_space=pltpu.SMEM) if platform == "tpu" else pl.no_block_spec
 
 
 def _grouped_kernel(te_ref, x_ref, w_ref, o_ref, *, bk: int, bn: int, n_k: int, precision):
@@ -56,7 +63,7 @@ def _grouped(tiles: jax.Array, w: jax.Array, tile_expert: jax.Array, blocks: tup
         functools.partial(_grouped_kernel, bk=bk, bn=bn, n_k=kp // bk, precision=_precision(tiles.dtype)),
         out_shape=jax.ShapeDtypeStruct((n_tiles * bm, np_), jnp.float32),
         grid=(n_tiles, np_ // bn),
-        in_specs=[_whole(), pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), _whole()],
+        in_specs=[_scalars(platform), pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), _whole()],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         interpret=platform == "cpu",
         name="jaxalign_grouped_matmul",
@@ -93,7 +100,7 @@ def _weight_grad(tiles: jax.Array, g_tiles: jax.Array, tile_expert: jax.Array, n
         functools.partial(_weight_grad_kernel, bm=bk_rows, bn=bn, precision=_precision(tiles.dtype)),
         out_shape=jax.ShapeDtypeStruct((n_experts, kp, np_), jnp.float32),
         grid=(n_experts, kp // bk_rows, np_ // bn),
-        in_specs=[_whole(), _whole(), _whole(), _whole()],
+        in_specs=[_scalars(platform), _scalars(platform), _whole(), _whole()],
         out_specs=pl.BlockSpec((None, bk_rows, bn), lambda e, i, j: (e, i, j)),
         interpret=platform == "cpu",
         name="jaxalign_grouped_weight_grad",

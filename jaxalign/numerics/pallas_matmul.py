@@ -48,7 +48,7 @@ def check_blocks(blocks: tuple[int, int, int], k: int, n: int, operand_dtype, ke
     """Raise a ValueError unless `kernel` (= pallas:BMxBNxBK) fits a [., k] x [k, n] product on `platform`.
 
     Everywhere: min(BN, n) must divide n and min(BK, k) must divide k (the model's dims are not padded).
-    GPU (Triton): every block dimension >= 16 (tl.dot's minimum). TPU (Mosaic): BM a multiple of 8 (16 for
+    GPU (Triton): every block used a power of two >= 16 (Triton's block rule and tl.dot's minimum). TPU (Mosaic): BM a multiple of 8 (16 for
     16-bit operands) and each of min(BN, n), min(BK, k) a multiple of 128 or the whole dimension.
     """
     platform = platform or backend()
@@ -59,9 +59,11 @@ def check_blocks(blocks: tuple[int, int, int], k: int, n: int, operand_dtype, ke
             raise ValueError(f"{where}: {name} = {req} does not divide {dim}; allowed: a power of two that divides "
                              f"{dim}, or one >= {dim} (the whole dimension)")
     if platform == "gpu":
-        small = [(name, b) for name, b in (("BM", bm), ("BN", _block(bn, n)), ("BK", _block(bk, k))) if b < 16]
-        if small:
-            raise ValueError(f"{where}: block {small} below 16; allowed on gpu (Triton dot): every block >= 16")
+        used = (("BM", bm), ("BN", _block(bn, n)), ("BK", _block(bk, k)))
+        bad = [(name, b) for name, b in used if b < 16 or b & (b - 1)]
+        if bad:
+            raise ValueError(f"{where}: block {bad}; allowed on gpu (Triton): every block used (BM, min(BN, {n}), "
+                             f"min(BK, {k})) a power of two >= 16")
     if platform == "tpu":
         sub = 16 if jnp.dtype(operand_dtype).itemsize == 2 else 8
         if bm % sub:
