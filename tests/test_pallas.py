@@ -173,10 +173,16 @@ def test_block_shapes_are_checked_against_the_product_and_the_backend():
     check_blocks((16, 128, 128), 256, 64, jnp.bfloat16, "pallas:16x128x128", "tpu")
 
 
-def test_a_block_shape_that_does_not_fit_the_model_fails_at_trace_time(monkeypatch):
+def test_a_block_shape_that_does_not_fit_a_mesh_or_an_unknown_backend_fails_at_trace_time(monkeypatch):
     x = jnp.ones((3, 64), jnp.float32)
     with pytest.raises(ValueError, match=r"kernel = 'pallas:8x32x16'.*BN = 32 does not divide 48"):
         jax.eval_shape(lambda x: matmul(x, jnp.ones((64, 48)), NumericPolicy.parse("kernel=pallas:8x32x16")), x)
+    import jaxalign.numerics.pallas_matmul as pallas_matmul_module
+
+    monkeypatch.setattr(pallas_matmul_module, "mesh_active", lambda: True)
+    with pytest.raises(ValueError, match=r"'pallas:8x16x16' under a device mesh.*allowed on a mesh: xla or tiled:T"):
+        jax.eval_shape(lambda x: matmul(x, jnp.ones((64, 48)), NumericPolicy.parse("kernel=pallas:8x16x16")), x)
+    monkeypatch.setattr(pallas_matmul_module, "mesh_active", lambda: False)
     monkeypatch.setattr(jax, "default_backend", lambda: "metal")
     with pytest.raises(ValueError, match=r"backend 'metal' has no Pallas lowering.*allowed backends: cpu"):
         jax.eval_shape(lambda x: matmul(x, jnp.ones((64, 48)), NumericPolicy.parse("kernel=pallas:8x16x16")), x)

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxalign.numerics.dtypes import cast, dtype
-from jaxalign.numerics.pallas_matmul import _round_up, backend
+from jaxalign.numerics.pallas_matmul import _round_up, backend, refuse_mesh
 
 _NEVER = jnp.iinfo(jnp.int32).max  # position of padded keys (seen by no real query) and padded queries
 
@@ -32,6 +32,7 @@ def check_attention_blocks(blocks: tuple[int, int, int], chunk: int, groups: int
     """Raise a ValueError unless the attention kernel's blocks are legal on `platform`: GPU (Triton) needs the
     chunk, BM*G and the head dim powers of two >= 16; TPU (Mosaic) the chunk a multiple of 128 and BM*G a
     multiple of 8."""
+    refuse_mesh(kernel)
     platform = platform or backend()
     rows = blocks[0] * groups
     where = (f"NumericPolicy.attention = 'chunked:{chunk}' with matmul_kernel = {kernel!r} on backend "

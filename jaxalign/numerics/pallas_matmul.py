@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxalign.numerics.collectives import mesh_active
+
 BACKENDS = ("cpu (interpret mode)", "gpu (Triton)", "tpu (Mosaic)")
 
 
@@ -32,6 +34,15 @@ def backend() -> str:
         raise ValueError(f"NumericPolicy.matmul_kernel = pallas:...: backend {name!r} has no Pallas lowering here; "
                          f"allowed backends: {', '.join(BACKENDS)}")
     return name
+
+
+def refuse_mesh(kernel: str) -> None:
+    """Raise a ValueError inside a multi-device mesh: the Pallas kernels are not partitioned here (a compiled
+    pallas_call is not split by XLA's partitioner; it would need shard_map), so their bits are only promised on
+    one device."""
+    if mesh_active():
+        raise ValueError(f"NumericPolicy.matmul_kernel = {kernel!r} under a device mesh: the Pallas kernels run on "
+                         f"one device only here; allowed on a mesh: xla or tiled:T")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -47,10 +58,11 @@ def check_blocks(blocks: tuple[int, int, int], k: int, n: int, operand_dtype, ke
                  platform: str | None = None) -> None:
     """Raise a ValueError unless `kernel` (= pallas:BMxBNxBK) fits a [., k] x [k, n] product on `platform`.
 
-    Everywhere: min(BN, n) must divide n and min(BK, k) must divide k (the model's dims are not padded).
+    Everywhere: one device (no mesh); min(BN, n) must divide n and min(BK, k) must divide k (the model's dims are not padded).
     GPU (Triton): every block used a power of two >= 16 (Triton's block rule and tl.dot's minimum). TPU (Mosaic): BM a multiple of 8 (16 for
     16-bit operands) and each of min(BN, n), min(BK, k) a multiple of 128 or the whole dimension.
     """
+    refuse_mesh(kernel)
     platform = platform or backend()
     bm, bn, bk = blocks
     where = f"NumericPolicy.matmul_kernel = {kernel!r} on backend {platform!r} for a [rows, {k}] x [{k}, {n}] product"
