@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxalign.numerics.dtypes import cast, dtype
-from jaxalign.numerics.pallas_matmul import _round_up, backend, refuse_mesh
+from jaxalign.numerics.pallas_matmul import _precision, _round_up, backend, refuse_mesh
 
 _NEVER = jnp.iinfo(jnp.int32).max  # position of padded keys (seen by no real query) and padded queries
 
@@ -56,7 +56,8 @@ def _kernel(qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, *, chunk, n_chunks, 
     def step(c, carry):
         m, l, acc = carry
         keys = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        s = jnp.dot(q, k_ref[:, keys].astype(q.dtype), preferred_element_type=jnp.float32)
+        s = jnp.dot(q, k_ref[:, keys].astype(q.dtype), preferred_element_type=jnp.float32,
+                    precision=_precision(q.dtype))
         s = rnd(rnd(rnd(s, scores_dt).astype(jnp.float32) * scale, scores_dt), softmax_dt)
         s = jnp.where(kpos_ref[:, keys] <= q_pos, s, jnp.asarray(-jnp.inf, s.dtype))
         m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
@@ -65,7 +66,7 @@ def _kernel(qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, *, chunk, n_chunks, 
         p = jnp.exp(s - safe_m)
         l = l * corr + jnp.sum(p, axis=-1, keepdims=True)
         pv = jnp.dot(rnd(p, compute_dt), v_ref[keys, :].astype(dtype(compute_dt)),
-                     preferred_element_type=jnp.float32)
+                     preferred_element_type=jnp.float32, precision=_precision(dtype(compute_dt)))
         return m_new, l, acc * corr.astype(jnp.float32) + pv
 
     sdt = dtype(softmax_dt)
