@@ -14,6 +14,7 @@ from jax import lax
 from jaxalign.numerics.collectives import local_reduce
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import as_compute, cast, dtype
+from jaxalign.numerics.pallas_attention import pallas_chunked_attention
 from jaxalign.numerics.reduce import pad_to_tree_width, reduce_sum, tree_sum
 
 
@@ -123,8 +124,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     qg = q.reshape(b, nq, kvh, h // kvh, d)
     visible = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None, None]  # [B, 1, 1, Q, K]
     chunk = policy.attention_chunk
-    out = (_full(qg, k, v, visible, policy) if chunk is None
-           else _chunked(qg, k, v, visible, policy, chunk))
+    if chunk is not None and policy.pallas_blocks is not None:
+        out = pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy,
+                                       lambda qg, k, v: _chunked(qg, k, v, visible, policy, chunk))
+    else:
+        out = (_full(qg, k, v, visible, policy) if chunk is None
+               else _chunked(qg, k, v, visible, policy, chunk))
     return as_compute(out.reshape(b, nq, h, d), policy)
 
 

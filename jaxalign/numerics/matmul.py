@@ -5,6 +5,7 @@ Kernels:
   multiplied with it (tests/test_batch_invariance.py documents this on the CPU).
 - `tiled:T`: rows are zero-padded to a multiple of T and multiplied one fixed-shape [T, K] tile at a time
   (`lax.map`), so every row goes through the same compiled kernel with the same shape: batch invariant.
+- `pallas:BMxBNxBK`: the tiled semantics held by Pallas kernels (numerics/pallas_matmul.py, pallas_grouped.py).
 
 Accumulation (`matmul_acc`): `f32` asks XLA for float32 output; `bf16`/`f16` round the partial sum every
 ACC_CHUNK products of the contraction (what a low-precision accumulator does, emulated); a
@@ -20,6 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxalign.numerics.collectives import gather_axes, local_reduce, mesh_active, ordered_vjp, with_parameter
+from jaxalign.numerics.pallas_grouped import pallas_grouped_tiles
+from jaxalign.numerics.pallas_matmul import check_blocks, pallas_matmul
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import as_compute, as_param, cast
 
@@ -48,6 +51,9 @@ def _dot(a: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:
 
 def _rows(x2d: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
     """[M, K] @ [K, N] with the policy's kernel."""
+    if policy.pallas_blocks is not None:
+        check_blocks(policy.pallas_blocks, x2d.shape[1], w.shape[1], x2d.dtype, policy.matmul_kernel)
+        return pallas_matmul(x2d, w, policy.pallas_blocks)
     tile = policy.tile_rows
     if tile is None:
         return _dot(x2d, w, policy)
@@ -78,7 +84,7 @@ def matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy, *, operand_dtype: 
 
 def expert_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
     """Per-expert products: x [E, R, K] @ w [E, K, N] -> [E, R, N] in the compute dtype."""
-    if policy.tile_rows is None:
+    if policy.tile_rows is None and policy.pallas_blocks is None:
         return jax.vmap(lambda a, b: matmul(a, b, policy))(x, w)
     return lax.map(lambda ab: matmul(ab[0], ab[1], policy), (x, w))
 
@@ -95,8 +101,17 @@ def _tiled_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: N
     """The tiled kernel for rows sorted by expert: each expert's rows are zero-padded to whole [T, K] tiles and
     every tile is multiplied by its expert's weight, one tile per dot. A row's bits are those the dense
     dispatch gives it (same row-invariant kernel), at k/E of the dense dispatch's work."""
-    tile = policy.tile_rows
-    rows, experts = x.shape[0], w.shape[0]
+    n_tiles, dest, tile_expert = tile_layout(group_sizes, x.shape[0], policy.tile_rows)
+    # ordered: every expert's whole weight on each device, so no per-tile product (forward or backward) sums
+    # across devices
+    return _expert_tiles(policy, n_tiles, x, local_reduce(w, policy, (0, 1, 2)), dest, tile_expert)
+
+
+def tile_layout(group_sizes: jax.Array, rows: int, tile: int) -> tuple[int, jax.Array, jax.Array]:
+    """Whole tiles of `tile` rows for rows sorted by expert (group_sizes [E]): (n_tiles, dest [rows] = each row's
+    slot in the [n_tiles * tile] tiled rows, tile_expert [n_tiles] non-decreasing). Each expert's rows start a
+    new tile; tiles past the last expert's are unused (zero) and belong to the last expert."""
+    experts = group_sizes.shape[0]
     n_tiles = -(-rows // tile) + experts  # each expert adds at most one partly filled tile
     padded = (group_sizes + tile - 1) // tile * tile
     padded_end = jnp.cumsum(padded)
@@ -104,9 +119,17 @@ def _tiled_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: N
     row_expert = jnp.repeat(jnp.arange(experts), group_sizes, total_repeat_length=rows)
     dest = (padded_end - padded)[row_expert] + jnp.arange(rows) - start[row_expert]  # row -> slot in the tiles
     tile_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_tiles) * tile, side="right"), experts - 1)
-    # ordered: every expert's whole weight on each device, so no per-tile product (forward or backward) sums
-    # across devices
-    return _expert_tiles(policy, n_tiles, x, local_reduce(w, policy, (0, 1, 2)), dest, tile_expert)
+    return n_tiles, dest, tile_expert
+
+
+def _pallas_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """The Pallas grouped kernel on the same tile layout as `_tiled_grouped` (T = BM)."""
+    blocks = policy.pallas_blocks
+    check_blocks(blocks, x.shape[1], w.shape[2], x.dtype, policy.matmul_kernel)
+    n_tiles, dest, tile_expert = tile_layout(group_sizes, x.shape[0], blocks[0])
+    tiles = _to_tiles(x, dest, n_tiles, blocks[0])
+    w = local_reduce(w, policy, (0, 1, 2))
+    return pallas_grouped_tiles(tiles, w, tile_expert, blocks).reshape(-1, w.shape[-1])[dest]
 
 
 def _to_tiles(rows: jax.Array, dest: jax.Array, n_tiles: int, tile: int) -> jax.Array:
@@ -151,10 +174,12 @@ _expert_tiles.defvjp(_expert_tiles_fwd, _expert_tiles_bwd)
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
     """Rows sorted by expert: x [R, K], w [E, K, N], group_sizes [E] -> [R, N] (`lax.ragged_dot` under the xla
-    kernel, per-expert [T, K] tiles under `tiled:T`)."""
+    kernel, per-expert [T, K] tiles under `tiled:T` and `pallas:...`)."""
     x = cast(local_reduce(x, policy, (1,)), policy.compute_dtype)
     w = cast(local_reduce(w, policy, (1,)), policy.compute_dtype)
-    if policy.tile_rows is not None:
+    if policy.pallas_blocks is not None:
+        y = _pallas_grouped(x, w, group_sizes, policy)
+    elif policy.tile_rows is not None:
         y = _tiled_grouped(x, w, group_sizes, policy)
     elif policy.matmul_acc not in ("bf16", "f16"):
         y = lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)

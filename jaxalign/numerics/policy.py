@@ -27,6 +27,19 @@ def _positive_int_suffix(value: str, prefix: str) -> int | None:
     return number if number > 0 else None
 
 
+def _pallas_blocks(value: str) -> tuple[int, int, int] | None:
+    """(BM, BN, BK) of `pallas:BMxBNxBK`, each a power of two >= 8, or None when `value` is not of that form."""
+    if not value.startswith("pallas:"):
+        return None
+    parts = value[len("pallas:"):].split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    blocks = tuple(int(p) for p in parts)
+    if not all(b >= 8 and b & (b - 1) == 0 for b in blocks):
+        return None
+    return blocks  # type: ignore[return-value]
+
+
 def _positive_float_suffix(value: str, prefix: str) -> float | None:
     if not value.startswith(prefix):
         return None
@@ -59,9 +72,13 @@ FIELDS: dict[str, _Field] = {
                          "matmul accumulation: f32 (preferred_element_type=f32), bf16/f16 (partial sums rounded "
                          "every 16 products of the contraction, emulating low-precision accumulators), or a "
                          "DotAlgorithmPreset passed to XLA as precision="),
-    "matmul_kernel": _Field("kernel", "xla|tiled:T (T a positive int)",
-                            lambda v: v == "xla" or _positive_int_suffix(v, "tiled:") is not None,
-                            "xla = whatever XLA emits; tiled:T = fixed [T, K] row tiles (batch invariant)"),
+    "matmul_kernel": _Field("kernel", "xla|tiled:T (T a positive int)|pallas:BMxBNxBK (each a power of two >= 8)",
+                            lambda v: (v == "xla" or _positive_int_suffix(v, "tiled:") is not None
+                                       or _pallas_blocks(v) is not None),
+                            "xla = whatever XLA emits; tiled:T = fixed [T, K] row tiles (batch invariant); "
+                            "pallas:BMxBNxBK = the same semantics in Pallas kernels (fixed [BM, BN] output "
+                            "blocks, the contraction in BK chunks in a fixed order, f32 accumulation; interpret "
+                            "mode on the CPU, compiled on GPU/TPU; jaxalign/numerics/pallas_matmul.py)"),
     "reduction": _Field("reduce", "xla|tree", _one_of("xla", "tree"),
                         "sums in norms, softmaxes and attention: xla's reduce, or a fixed halving tree that is "
                         "invariant to batch shape and to zero padding"),
@@ -141,6 +158,9 @@ class NumericPolicy:
         if self.matmul_acc in ("bf16", "f16") and self.matmul_acc != self.compute_dtype:
             raise ValueError(f"NumericPolicy.matmul_acc = {self.matmul_acc!r} accumulates below the compute dtype "
                              f"{self.compute_dtype!r}; allowed: f32, a DotAlgorithmPreset, or the compute dtype")
+        if self.pallas_blocks is not None and self.matmul_acc != "f32":
+            raise ValueError(f"NumericPolicy.matmul_acc = {self.matmul_acc!r} with matmul_kernel = "
+                             f"{self.matmul_kernel!r}: the Pallas kernels accumulate in float32; allowed: f32")
         if self.dispatch == "gather" and (self.matmul_kernel != "xla" or self.matmul_acc in ("bf16", "f16")):
             raise ValueError("NumericPolicy.dispatch = 'gather' uses batched vector-matrix products with float32 "
                              "accumulation; it needs matmul_kernel 'xla' and matmul_acc f32 (or a DotAlgorithmPreset)")
@@ -150,6 +170,11 @@ class NumericPolicy:
     def tile_rows(self) -> int | None:
         """Row-tile size of the tiled matmul kernel, or None for the xla kernel."""
         return _positive_int_suffix(self.matmul_kernel, "tiled:")
+
+    @property
+    def pallas_blocks(self) -> tuple[int, int, int] | None:
+        """(BM, BN, BK) block shape of the Pallas kernels, or None when the kernel is not `pallas:...`."""
+        return _pallas_blocks(self.matmul_kernel)
 
     @property
     def attention_chunk(self) -> int | None:

@@ -1,0 +1,131 @@
+"""Chunked (flash / split-KV) attention as a Pallas kernel: `kernel=pallas:BMxBNxBK` with `attn=chunked:C`.
+
+One kernel instance per (batch row, kv head, block of BM queries): the BM queries of all G heads sharing the kv
+head are one fixed [BM*G, D] block; the keys are visited in chunks of C slots starting at slot 0, always all of
+them and always in ascending order, with the online softmax of `numerics.attention._chunked` (scores rounded to
+`attn_scores_dtype`, scaled, softmax in `attn_softmax_dtype`, probabilities in the compute dtype before the
+value product, float32 accumulation). Every product has a fixed shape ([BM*G, D] x [D, C] and [BM*G, C] x
+[C, D]) whatever the number of queries, the batch or the cache length, and a chunk the query cannot see adds
+exact zeros, so a query's bits are the same in a trainer sequence of S keys and an engine cache of M slots.
+
+Gradient: the custom VJP differentiates the lax chunked attention of the same policy (recomputed); it is not a
+Pallas kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxalign.numerics.dtypes import cast, dtype
+from jaxalign.numerics.pallas_matmul import _precision, _round_up, backend, refuse_mesh
+
+_NEVER = jnp.iinfo(jnp.int32).max  # position of padded keys (seen by no real query) and padded queries
+
+
+def check_attention_blocks(blocks: tuple[int, int, int], chunk: int, groups: int, head_dim: int, kernel: str,
+                           platform: str | None = None) -> None:
+    """Raise a ValueError unless the attention kernel's blocks are legal on `platform`: GPU (Triton) needs the
+    chunk, BM*G and the head dim powers of two >= 16; TPU (Mosaic) the chunk a multiple of 128 and BM*G a
+    multiple of 8."""
+    refuse_mesh(kernel)
+    platform = platform or backend()
+    rows = blocks[0] * groups
+    where = (f"NumericPolicy.attention = 'chunked:{chunk}' with matmul_kernel = {kernel!r} on backend "
+             f"{platform!r} (query block BM*G = {rows}, head dim {head_dim})")
+    if platform == "gpu":
+        bad = [(n, v) for n, v in (("chunk", chunk), ("BM*G", rows), ("head_dim", head_dim)) if v < 16 or v & (v - 1)]
+        if bad:
+            raise ValueError(f"{where}: {bad}; allowed on gpu (Triton): powers of two >= 16")
+    if platform == "tpu" and (chunk % 128 or rows % 8):
+        raise ValueError(f"{where}: allowed on tpu: chunk a multiple of 128 and BM*G a multiple of 8")
+
+
+def _kernel(qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, *, chunk, n_chunks, scale, scores_dt, softmax_dt,
+            compute_dt, exact_casts):
+    def rnd(x, name):  # interpret mode: `cast` (a rounding XLA:CPU's fusions keep); compiled: a plain convert
+        return cast(x, name) if exact_casts else x.astype(dtype(name))
+
+    q = q_ref[...]
+    q_pos = qpos_ref[...]  # [R, 1]
+
+    def step(c, carry):
+        m, l, acc = carry
+        keys = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        s = jnp.dot(q, k_ref[:, keys].astype(q.dtype), preferred_element_type=jnp.float32,
+                    precision=_precision(q.dtype))
+        s = rnd(rnd(rnd(s, scores_dt).astype(jnp.float32) * scale, scores_dt), softmax_dt)
+        s = jnp.where(kpos_ref[:, keys] <= q_pos, s, jnp.asarray(-jnp.inf, s.dtype))
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+        safe_m = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
+        corr = jnp.exp(m - safe_m)
+        p = jnp.exp(s - safe_m)
+        l = l * corr + jnp.sum(p, axis=-1, keepdims=True)
+        pv = jnp.dot(rnd(p, compute_dt), v_ref[keys, :].astype(dtype(compute_dt)),
+                     preferred_element_type=jnp.float32, precision=_precision(dtype(compute_dt)))
+        return m_new, l, acc * corr.astype(jnp.float32) + pv
+
+    sdt = dtype(softmax_dt)
+    rows = q.shape[0]
+    init = (jnp.full((rows, 1), -jnp.inf, sdt), jnp.zeros((rows, 1), sdt), jnp.zeros(o_ref.shape, jnp.float32))
+    _, l, acc = lax.fori_loop(0, n_chunks, step, init)
+    o_ref[...] = acc / l.astype(jnp.float32)
+
+
+def _pallas_forward(qg, k, v, q_pos, k_pos, policy):
+    """qg [B, Q, KVH, G, D], k [B, KVH, D, K], v [B, KVH, K, D], q_pos [B, Q], k_pos [B, K] ->
+    float32 [B, Q, KVH, G, D]."""
+    platform = backend()
+    bm = policy.pallas_blocks[0]
+    chunk = policy.attention_chunk
+    b, nq, kvh, g, d = qg.shape
+    nk = k.shape[-1]
+    qp, kp = _round_up(nq, bm), _round_up(nk, chunk)
+    if platform == "gpu":
+        kp = pl.next_power_of_2(kp)
+    rows = bm * g
+    q = jnp.pad(jnp.transpose(qg, (0, 2, 1, 3, 4)), ((0, 0), (0, 0), (0, qp - nq), (0, 0), (0, 0)))
+    q = q.reshape(b, kvh, qp * g, d)
+    q_rows = jnp.repeat(jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, qp - nq)), constant_values=_NEVER), g,
+                        axis=1)[..., None]  # [B, Qp*G, 1], each query's position once per head of its group
+    k_pos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, kp - nk)), constant_values=_NEVER)[:, None, :]
+    k = jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, kp - nk)))
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, kp - nk), (0, 0)))
+    kernel = functools.partial(
+        _kernel, chunk=chunk, n_chunks=kp // chunk, scale=float(d ** -0.5), scores_dt=policy.attn_scores_dtype,
+        softmax_dt=policy.attn_softmax_dtype, compute_dt=policy.compute_dtype, exact_casts=platform == "cpu")
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, kvh, qp * g, d), jnp.float32),
+        grid=(b, kvh, qp // bm),
+        in_specs=[pl.BlockSpec((None, rows, 1), lambda i, h, j: (i, j, 0)),
+                  pl.BlockSpec((None, 1, kp), lambda i, h, j: (i, 0, 0)),
+                  pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i, h, j, 0)),
+                  pl.BlockSpec((None, None, d, kp), lambda i, h, j: (i, h, 0, 0)),
+                  pl.BlockSpec((None, None, kp, d), lambda i, h, j: (i, h, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i, h, j, 0)),
+        interpret=platform == "cpu",
+        name="jaxalign_chunked_attention",
+    )(q_rows, k_pos, q, k, v)
+    return jnp.transpose(out.reshape(b, kvh, qp, g, d)[:, :, :nq], (0, 2, 1, 3, 4))
+
+
+def pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy, lax_chunked):
+    """Chunked attention by the Pallas kernel (see the module docstring); `lax_chunked(qg, k, v)` is the lax
+    implementation of the same policy, whose VJP serves as the gradient."""
+    check_attention_blocks(policy.pallas_blocks, policy.attention_chunk, qg.shape[3], qg.shape[4],
+                           policy.matmul_kernel)
+
+    @jax.custom_vjp
+    def run(qg, k, v, q_pos, k_pos):
+        return _pallas_forward(qg, k, v, q_pos, k_pos, policy)
+
+    def bwd(residuals, g):
+        return (*jax.vjp(lax_chunked, *residuals)[1](g), None, None)
+
+    run.defvjp(lambda qg, k, v, q_pos, k_pos: (run(qg, k, v, q_pos, k_pos), (qg, k, v)), bwd)
+    return run(qg, k, v, q_pos, k_pos)
