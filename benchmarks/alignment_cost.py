@@ -1,7 +1,7 @@
 """What bitwise alignment costs: aligned-bf16 against the fastest non-aligned bf16 policy, for the engine
 (greedy new tokens/s) and for the trainer (jitted forward+backward step), in one run on the same model and data.
 
-    python benchmarks/alignment_cost.py [--model bench] [--batches 8,64] [--repeats 5] [--out FILE]
+    python benchmarks/alignment_cost.py [--model bench] [--batches 8] [--repeats 5] [--out FILE]
 
 Baselines (all bf16 presets, docs/policies.md): serve-bf16, serve-fast-bf16 (selected experts only, chunked
 attention), train-bf16 (lax.ragged_dot) and train-fast-bf16 (selected experts only). Each is timed both as an
@@ -30,7 +30,7 @@ GOAL = 1.2
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bench")
-    parser.add_argument("--batches", default="8,64", help="engine batch sizes")
+    parser.add_argument("--batches", default="8", help="engine batch sizes")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--train-batch", type=int, default=8)

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 SCRIPTS = ["decode", "train_step", "alignment_cost", "gap_table", "mesh_gap"]
-TIMED = ("decode", "train_step", "alignment_cost")  # take --threads
+TIMED = ("decode", "train_step")  # jaxalign vs transformers: take --threads
 
 
 def _result(name: str) -> dict:
