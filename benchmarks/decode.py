@@ -99,7 +99,7 @@ def hf_side(spec: str) -> None:
         state["ids"], state["new"] = torch.tensor(prompts, dtype=torch.long), new_tokens
         first_s, out = timed(run)
         kv_bytes = 0
-        cache = out.past_key_values
+        cache = out.cache
         for layer in cache.layers:
             for t in (layer.keys, layer.values):
                 kv_bytes += t.numel() * t.element_size()
