@@ -35,7 +35,7 @@ def _machine_note(record: dict) -> str:
     load = (f"; load average {m['load_average_start'][0]:.1f} at start, {m['load_average_end'][0]:.1f} at end"
             if "load_average_start" in m else "")
     n = len(threads.get("cpu_affinity", []))
-    pinned = f"; {n} thread{'s' if n > 1 else ''} per side, pinned" if n else ""
+    pinned = f"; pinned to {n} CPU{'s' if n > 1 else ''} ({n} thread{'s' if n > 1 else ''})" if n else ""
     cpu = m.get("cpu_model", m.get("platform", "?"))
     return f"{cpu}, {m.get('cpu_count')} cores{pinned}{load}"
 
