@@ -7,7 +7,8 @@ Every side runs in its own process, pinned to the same CPUs with its thread coun
 under each `--policy` (default `fp32` and `fp32,dispatch=bucketed`) and transformers with its attention and
 experts implementations named (`--hf`, default `eager:eager` and `sdpa:grouped_mm`). The first step
 (compilation) is timed apart; then `--repeats` rounds, each timing every side once in rotating order; a side's
-figure is its best round. The cost of alignment (bf16 policies) is in benchmarks/alignment_cost.py.
+figure is its best round. For the breakdown each side also times its forward alone (the same loss, no
+gradient; interleaved the same way): `backward_s_est` = best step - best forward. The cost of alignment (bf16 policies) is in benchmarks/alignment_cost.py.
 """
 
 from __future__ import annotations
@@ -26,20 +27,28 @@ GOAL = 2.0  # jaxalign's fastest fp32 step vs transformers' fastest
 
 def jax_side(policy_text: str) -> None:
     """Serve a jitted jaxalign forward+backward under one policy."""
+    import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     import jaxalign as ja
+    from jaxalign import sequence_logprobs
     from jaxalign.interop import hf
     state = {}
 
     def load(path, tokens):
-        step, params = trainer_step_fn(hf.load(path), ja.NumericPolicy.parse(policy_text))
+        model, policy = hf.load(path), ja.NumericPolicy.parse(policy_text)
+        step, params = trainer_step_fn(model, policy)
+        graphdef, _ = nnx.split(model)
+        forward = jax.jit(lambda p, t: -jnp.mean(sequence_logprobs(nnx.merge(graphdef, p), t, policy)[0]))
         state["run"] = lambda t=jnp.asarray(tokens, jnp.int32): step(params, t)
+        state["forward"] = lambda t=jnp.asarray(tokens, jnp.int32): forward(params, t)
         first_s, (loss, _) = timed(state["run"])
+        timed(state["forward"])
         return {"threads": thread_settings(), "first_call_s": first_s, "loss": float(loss),
                 "peak_rss_mib": peak_rss_mib()}
 
-    serve({"load": load, "time": lambda: timed(state["run"])[0],
+    serve({"load": load, "time": lambda: timed(state["run"])[0], "time_forward": lambda: timed(state["forward"])[0],
            "final": lambda: {"peak_rss_mib": peak_rss_mib()}})
 
 
@@ -66,13 +75,19 @@ def hf_side(spec: str) -> None:
             loss.backward()
             return loss
 
-        state["run"] = step
+        def forward():
+            with torch.no_grad():
+                logits = peer(ids).logits
+                return -torch.log_softmax(logits[:, :-1].float(), -1).gather(2, ids[:, 1:, None]).mean()
+
+        state["run"], state["forward"] = step, forward
         first_s, loss = timed(step)
+        forward()
         return {"threads": thread_settings(), "first_call_s": first_s, "loss": loss.item(),
                 "peak_rss_mib": peak_rss_mib(), "attn_implementation": peer.config._attn_implementation,
                 "experts_implementation": peer.config._experts_implementation}
 
-    serve({"load": load, "time": lambda: timed(state["run"])[0],
+    serve({"load": load, "time": lambda: timed(state["run"])[0], "time_forward": lambda: timed(state["forward"])[0],
            "final": lambda: {"peak_rss_mib": peak_rss_mib()}})
 
 
@@ -116,14 +131,16 @@ def main(argv=None) -> int:
                 sides[name] = Side(os.path.abspath(__file__), spec, f"--threads={n_threads}")
             for name, side in sides.items():
                 loaded[name] = side.call("load", path=tmp, tokens=tokens)
-        best = interleaved_best({name: (lambda s=side: s.call("time")) for name, side in sides.items()},
-                                args.repeats)
+        runners = {name: (lambda s=side: s.call("time")) for name, side in sides.items()}
+        runners.update({f"{name} forward": (lambda s=side: s.call("time_forward")) for name, side in sides.items()})
+        best = interleaved_best(runners, args.repeats)
         final = {name: side.call("final") for name, side in sides.items()}
     finally:
         for side in sides.values():
             side.close()
     n_tok = args.batch * args.seq
     rows = [{"implementation": name, "step_s": best[name], "tokens_per_s": n_tok / best[name],
+             "forward_s": best[f"{name} forward"], "backward_s_est": best[name] - best[f"{name} forward"],
              "first_call_s": loaded[name]["first_call_s"], "loss": loaded[name]["loss"],
              "peak_rss_mib": final[name]["peak_rss_mib"]} for name in names]
     fastest_jax = min(rows[:len(policies)], key=lambda r: r["step_s"])
@@ -133,8 +150,8 @@ def main(argv=None) -> int:
     summary["goal_met"] = summary["speedup"] >= GOAL
     print(f"model {args.model}; fp32 forward+backward on [{args.batch}, {args.seq}] tokens; {n_threads} threads per "
           f"side; best of {args.repeats} interleaved rounds")
-    tables = {"train_step": report.table(rows, ["implementation", "step_s", "tokens_per_s", "first_call_s",
-                                                "peak_rss_mib"])}
+    tables = {"train_step": report.table(rows, ["implementation", "step_s", "tokens_per_s", "forward_s",
+                                                "backward_s_est", "first_call_s", "peak_rss_mib"])}
     print(tables["train_step"])
     print(f"fastest jaxalign vs fastest transformers: {summary['speedup']:.2f}x (goal >= {GOAL}x)")
     write_json(args.out, {"args": vars(args), "sides": loaded, "rows": rows, "summary": summary,
