@@ -254,6 +254,15 @@ PRESETS: dict[str, NumericPolicy] = {
     # bf16 logits.
     "serve-bf16": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
                                 combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16"),
+    # The fast bf16 serving baseline the cost of alignment is measured against (benchmarks/alignment_cost.py):
+    # serve-bf16 with only the selected experts' rows multiplied (bucketed dispatch, nothing dropped), as
+    # serving engines' fused MoE kernels do; attention stays flash-decoding style (chunked).
+    "serve-fast-bf16": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
+                                     combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16",
+                                     dispatch="bucketed"),
+    # The fast bf16 training baseline: train-bf16 with a grouped GEMM that runs only the selected experts on
+    # this backend (bucketed dispatch; train-bf16's lax.ragged_dot runs densely over all experts on XLA:CPU).
+    "train-fast-bf16": _bf16_compute(dispatch="bucketed"),
     # Used on both sides: batch-invariant kernels (fixed row tiles, halving-tree reductions) so engine and
     # trainer logprobs are bitwise identical, while matmuls stay bf16. RoPE and gate weights are bf16 so every
     # product that feeds an add is exact in f32: XLA:CPU contracts a*b+c into an FMA or not depending on
