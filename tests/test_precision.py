@@ -83,7 +83,7 @@ def test_presets_the_cpu_cannot_run_fail_early_and_clearly():
                  lambda: forward_logits(build_model("tiny"), random_tokens(build_model("tiny").config, 1, 4), policy),
                  lambda: check_backend(policy.replace(matmul_acc="f32", matmul_bwd="TF32_TF32_F32"))):
         with pytest.raises(ValueError, match=r"matmul_(acc|bwd) = 'TF32_TF32_F32'.*cpu backend.*allowed on cpu: "
-                                             r"f32, bf16, f16"):
+                                             r"(f32, bf16, f16|same, f32), DEFAULT, .*BF16_BF16_F32"):
             call()
     assert runs_on(policy, "gpu")
 

@@ -142,10 +142,10 @@ def check_backend(policy: NumericPolicy, backend: str | None = None, *, label: s
     backend = backend or jax.default_backend()
     if backend != "cpu":
         return  # GPU/TPU compilers check the algorithm against the device themselves
-    for field in ("matmul_acc", "matmul_bwd"):
+    for field, plain in (("matmul_acc", ("f32", "bf16", "f16")), ("matmul_bwd", ("same", "f32"))):
         value = getattr(policy, field)
-        if value in ("f32", "bf16", "f16", "same") or value in CPU_DOT_ALGORITHMS:
+        if value in plain or value in CPU_DOT_ALGORITHMS:
             continue
         raise ValueError(f"{label}: NumericPolicy.{field} = {value!r} names a dot algorithm the {backend} backend "
-                         f"cannot run (JAX {jax.__version__}); allowed on {backend}: f32, bf16, f16"
-                         f"{', same' if field == 'matmul_bwd' else ''}, {', '.join(CPU_DOT_ALGORITHMS)}")
+                         f"cannot run (JAX {jax.__version__}); allowed on {backend}: "
+                         f"{', '.join(plain + CPU_DOT_ALGORITHMS)}")
