@@ -211,6 +211,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object: preset -> fields")
     p.set_defaults(func=cmd_policies)
 
+    from jaxalign.check import add_parser as add_check_parser
+    add_check_parser(sub)
+
     p = sub.add_parser("demo", help="the main job: Countdown RL from one warm start, aligned vs misaligned "
                                     "trainer/engine numerics (~3 min on 2 CPU cores)")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")

@@ -38,10 +38,14 @@ KNOBS = [
 
 # Fields whose knob needs a device mesh: their knob test runs on 8 fake devices in tests/multidevice/.
 MESH_KNOBS = {"cross_device": "tests/multidevice/test_meshes.py::test_cross_device_knob"}
+# Fields XLA:CPU does not act on (dot algorithms, exp/log accuracy): their knob tests show the program change.
+PROGRAM_KNOBS = {"matmul_bwd": "tests/test_precision.py::test_matmul_bwd_knob_changes_only_the_gradient_products",
+                 "transcendental_accuracy":
+                     "tests/test_precision.py::test_transcendental_accuracy_knob_changes_the_program"}
 
 
 def test_every_field_has_a_knob():
-    assert {field for field, _, _ in KNOBS} | set(MESH_KNOBS) == set(FIELDS)
+    assert {field for field, _, _ in KNOBS} | set(MESH_KNOBS) | set(PROGRAM_KNOBS) == set(FIELDS)
 
 
 def test_cross_device_is_a_no_op_on_one_device():

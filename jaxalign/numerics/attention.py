@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxalign.numerics import precision
 from jaxalign.numerics.collectives import local_reduce
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import as_compute, cast, dtype
@@ -50,16 +51,17 @@ def _scores(q: jax.Array, k: jax.Array, policy: NumericPolicy) -> jax.Array:
     With `reduction="tree"` the head-dim contraction is a fixed sequential sum of elementwise products (one
     fused loop, the same order for every query and key, whatever their number)."""
     if policy.reduction == "tree":
-        return _sequential_scores(jnp.transpose(q.astype(jnp.float32), (0, 2, 3, 1, 4)), k.astype(jnp.float32))
+        return _sequential_scores(policy, jnp.transpose(q.astype(jnp.float32), (0, 2, 3, 1, 4)),
+                                  k.astype(jnp.float32))
     # keys stored [D, K]: each (b, h) is a plain [G*Q, D] x [D, K] product (with keys [K, D], XLA:CPU's dot
     # repacked every key of the cache at each decode step)
     qh = jnp.transpose(q, (0, 2, 3, 1, 4))  # [B, KVH, G, Q, D]
-    return jnp.einsum("bhgqd,bhdk->bhgqk", qh, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    return precision.einsum("bhgqd,bhdk->bhgqk", qh, k.astype(q.dtype), policy)
 
 
 def _einsum_backward(spec: str):
-    """Decorator: `forward(a, b)` computes `einsum(spec, a, b)` in its own summation order; its gradient is the two
-    einsums of the bilinear form (float32). The batch axes (b, h) are never summed, so each (b, h) is one
+    """Decorator: `forward(policy, a, b)` computes `einsum(spec, a, b)` in its own summation order; its gradient is
+    the two einsums of the bilinear form (float32, at the policy's backward precision). The batch axes (b, h) are never summed, so each (b, h) is one
     fixed-shape product whatever the mesh; autodiff of the forward would instead transpose its implicit
     broadcasts and pads into XLA reduces, whose add order follows how the backward was fused (it differed between
     a mesh's program and one device's) and cost 25x the forward for the value tree."""
@@ -67,20 +69,20 @@ def _einsum_backward(spec: str):
     rhs, out = rest.split("->")
 
     def wrap(forward):
-        fn = jax.custom_vjp(forward)
+        fn = jax.custom_vjp(forward, nondiff_argnums=(0,))
 
-        def bwd(residuals, g):
+        def bwd(policy, residuals, g):
             a, b = residuals
-            return (jnp.einsum(f"{out},{rhs}->{lhs}", g, b, preferred_element_type=jnp.float32),
-                    jnp.einsum(f"{lhs},{out}->{rhs}", a, g, preferred_element_type=jnp.float32))
+            return (precision.einsum(f"{out},{rhs}->{lhs}", g, b, policy, backward=True),
+                    precision.einsum(f"{lhs},{out}->{rhs}", a, g, policy, backward=True))
 
-        fn.defvjp(lambda a, b: (fn(a, b), (a, b)), bwd)
+        fn.defvjp(lambda policy, a, b: (fn(policy, a, b), (a, b)), bwd)
         return fn
     return wrap
 
 
 @_einsum_backward("bhgqd,bhdk->bhgqk")
-def _sequential_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+def _sequential_scores(policy: NumericPolicy, q: jax.Array, k: jax.Array) -> jax.Array:
     """q [B, H, G, Q, D] . k [B, H, D, K] -> [B, H, G, Q, K]: the products summed over D one after another."""
     total = q[..., :, None, 0] * k[:, :, None, None, 0, :]
     for d in range(1, q.shape[-1]):
@@ -92,15 +94,15 @@ def _weighted_values(p: jax.Array, v: jax.Array, policy: NumericPolicy) -> jax.A
     """p [B, KVH, G, Q, K] . v [B, KVH, K, D] -> [B, Q, KVH, G, D] in float32 (tree over keys when
     `reduction="tree"`, so masked zero-weight keys past the end never change the bits)."""
     if policy.reduction == "tree":
-        return jnp.transpose(_tree_pv(p.astype(jnp.float32), v.astype(jnp.float32)), (0, 3, 1, 2, 4))
+        return jnp.transpose(_tree_pv(policy, p.astype(jnp.float32), v.astype(jnp.float32)), (0, 3, 1, 2, 4))
     # p first and the output [B, KVH, G, Q, D]: each (b, h) is a plain [G*Q, K] x [K, D] product (with v first,
     # XLA:CPU contracted v's middle axis in a slow generic dot)
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(p.dtype), preferred_element_type=jnp.float32)
+    out = precision.einsum("bhgqk,bhkd->bhgqd", p, v.astype(p.dtype), policy)
     return jnp.transpose(out, (0, 3, 1, 2, 4))
 
 
 @_einsum_backward("bhgqk,bhkd->bhgqd")
-def _tree_pv(p: jax.Array, v: jax.Array) -> jax.Array:
+def _tree_pv(policy: NumericPolicy, p: jax.Array, v: jax.Array) -> jax.Array:
     """p [B, H, G, Q, K] . v [B, H, K, D] -> [B, H, G, Q, D], summed over keys with the halving tree.
 
     The keys are zero-padded to the tree's power-of-two width before the product, so the [.., K, D] products
@@ -146,7 +148,7 @@ def _full(qg, k, v, visible, policy):
     """Softmax over all keys, normalised before the value product (as transformers' eager attention)."""
     s = _masked_scores(qg, k, visible, policy)
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    e = jnp.exp(s - m)
+    e = precision.exp(s - m, policy)
     p = e / reduce_sum(e, policy, axis=-1, keepdims=True)
     return _weighted_values(as_compute(p, policy), v, policy)
 
@@ -172,8 +174,8 @@ def _chunked(qg, k, v, visible, policy, chunk):
         s = _masked_scores(qg, kc, visc, policy)
         m_new = jnp.maximum(m, lax.stop_gradient(jnp.max(s, axis=-1)))
         safe_m = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
-        corr = jnp.exp(m - safe_m)
-        p = jnp.exp(s - safe_m[..., None])
+        corr = precision.exp(m - safe_m, policy)
+        p = precision.exp(s - safe_m[..., None], policy)
         l = l * corr + reduce_sum(p, policy, axis=-1)
         pv = _weighted_values(as_compute(p, policy), vc, policy)  # [B, Q, KVH, G, D]
         acc = acc * jnp.transpose(corr, (0, 3, 1, 2))[..., None].astype(jnp.float32) + pv

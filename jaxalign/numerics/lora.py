@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxalign.numerics import precision
 from jaxalign.numerics.dtypes import as_param, cast
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.policy import NumericPolicy
@@ -15,7 +16,7 @@ from jaxalign.numerics.policy import NumericPolicy
 def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float, policy: NumericPolicy) -> jax.Array:
     """w + scale * (a @ b): the delta is formed in float32, rounded to the parameter dtype, then added there
     (every merge -- the trainer's at use, the engine's at weight sync -- rounds the same way)."""
-    delta = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)) * jnp.float32(scale)
+    delta = precision.dot(a.astype(jnp.float32), b.astype(jnp.float32), policy) * jnp.float32(scale)
     return as_param(w, policy) + cast(delta, policy.param_dtype)
 
 

@@ -9,7 +9,8 @@ Kernels:
 
 Accumulation (`matmul_acc`): `f32` asks XLA for float32 output; `bf16`/`f16` round the partial sum every
 ACC_CHUNK products of the contraction (what a low-precision accumulator does, emulated); a
-`lax.DotAlgorithmPreset` name is passed to XLA as `precision=` (honoured on GPU/TPU; XLA:CPU ignores most).
+`lax.DotAlgorithmPreset` name is passed to XLA as the algorithm (honoured on GPU/TPU; XLA:CPU ignores it).
+Every product states its precision through `jaxalign.numerics.precision`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jaxalign.numerics.collectives import gather_axes, local_reduce, mesh_active
 from jaxalign.numerics.pallas_grouped import pallas_grouped_tiles
 from jaxalign.numerics.pallas_matmul import check_blocks, pallas_matmul
 from jaxalign.numerics.policy import NumericPolicy
+from jaxalign.numerics import precision
 from jaxalign.numerics.dtypes import as_compute, as_param, cast
 
 ACC_CHUNK = 16
@@ -31,9 +33,7 @@ ACC_CHUNK = 16
 
 def _dot_f32(a: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:
     """a @ b with float32 accumulation, or the policy's DotAlgorithmPreset."""
-    if policy.matmul_acc in ("f32", "bf16", "f16"):
-        return jnp.dot(a, b, preferred_element_type=jnp.float32)
-    return jnp.dot(a, b, precision=policy.matmul_acc).astype(jnp.float32)
+    return precision.dot(a, b, policy)
 
 
 def _dot(a: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:
@@ -43,8 +43,8 @@ def _dot(a: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:
     k = a.shape[-1]
     total = None
     for start in range(0, k, ACC_CHUNK):
-        part = cast(jnp.dot(a[:, start:start + ACC_CHUNK], b[start:start + ACC_CHUNK],
-                            preferred_element_type=jnp.float32), policy.matmul_acc)
+        part = cast(precision.dot(a[:, start:start + ACC_CHUNK], b[start:start + ACC_CHUNK], policy),
+                    policy.matmul_acc)
         total = part if total is None else total + part
     return total
 
@@ -93,7 +93,7 @@ def gathered_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Ar
     """Per-row weights: x [N, k, K] @ w [N, k, K, M] -> [N, k, M] (float32 accumulation, compute dtype out)."""
     cdt = policy.compute_dtype
     x, w = local_reduce(x, policy, (2,)), local_reduce(w, policy, (2,))
-    y = jnp.einsum("nkc,nkcm->nkm", cast(x, cdt), cast(w, cdt), preferred_element_type=jnp.float32)
+    y = precision.einsum("nkc,nkcm->nkm", cast(x, cdt), cast(w, cdt), policy)
     return cast(y, cdt)
 
 
@@ -162,8 +162,8 @@ def _expert_tiles_bwd(policy, n_tiles, residuals, g):
 
     def one_tile(dw, inputs):
         xt, gt, e = inputs
-        dx = jnp.dot(gt, w[e].T, preferred_element_type=jnp.float32)
-        return dw.at[e].add(jnp.dot(xt.T, gt, preferred_element_type=jnp.float32)), dx
+        dx = precision.backward_dot(gt, w[e].T, policy)
+        return dw.at[e].add(precision.backward_dot(xt.T, gt, policy)), dx
     dw0 = local_reduce(jnp.zeros(w.shape, jnp.float32), policy, (0, 1, 2))
     dw, dx = lax.scan(one_tile, dw0, (x_tiles, g_tiles, tile_expert))
     return dx.reshape(-1, x.shape[-1])[dest].astype(x.dtype), dw.astype(w.dtype), None, None
@@ -182,12 +182,12 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: N
     elif policy.tile_rows is not None:
         y = _tiled_grouped(x, w, group_sizes, policy)
     elif policy.matmul_acc not in ("bf16", "f16"):
-        y = lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+        y = precision.ragged_dot(x, w, group_sizes, policy)
     else:
         y = None
         for start in range(0, x.shape[-1], ACC_CHUNK):
-            part = cast(lax.ragged_dot(x[:, start:start + ACC_CHUNK], w[:, start:start + ACC_CHUNK], group_sizes,
-                                       preferred_element_type=jnp.float32), policy.matmul_acc)
+            part = cast(precision.ragged_dot(x[:, start:start + ACC_CHUNK], w[:, start:start + ACC_CHUNK],
+                                             group_sizes, policy), policy.matmul_acc)
             y = part if y is None else y + part
     return cast(y, policy.compute_dtype)
 

@@ -70,8 +70,16 @@ FIELDS: dict[str, _Field] = {
     "matmul_acc": _Field("matmul", "f32|bf16|f16|<lax.DotAlgorithmPreset name>",
                          lambda v: v in _ACCUMULATIONS or v in _DOT_PRESETS,
                          "matmul accumulation: f32 (preferred_element_type=f32), bf16/f16 (partial sums rounded "
-                         "every 16 products of the contraction, emulating low-precision accumulators), or a "
-                         "DotAlgorithmPreset passed to XLA as precision="),
+                         "every 16 products of the contraction, emulating low-precision accumulators), all three with "
+                         "precision=HIGHEST (full f32 products of f32 operands on every backend); or a "
+                         "DotAlgorithmPreset passed to XLA as the products' algorithm"),
+    "matmul_bwd": _Field("matmul_bwd", "same|f32|<lax.DotAlgorithmPreset name>",
+                         lambda v: v in ("same", "f32") or v in _DOT_PRESETS,
+                         "precision of the gradient's products: same = the forward's; f32 = HIGHEST; or a "
+                         "DotAlgorithmPreset"),
+    "transcendental_accuracy": _Field("transcendental", "default|highest", _one_of("default", "highest"),
+                                      "accuracy asked of exp/log in softmaxes and log-softmax: default = the "
+                                      "backend's; highest = lax.AccuracyMode.HIGHEST"),
     "matmul_kernel": _Field("kernel", "xla|tiled:T (T a positive int)|pallas:BMxBNxBK (each a power of two >= 8)",
                             lambda v: (v == "xla" or _positive_int_suffix(v, "tiled:") is not None
                                        or _pallas_blocks(v) is not None),
@@ -132,6 +140,8 @@ class NumericPolicy:
     compute_dtype: str = "f32"
     matmul_acc: str = "f32"
     matmul_kernel: str = "xla"
+    matmul_bwd: str = "same"
+    transcendental_accuracy: str = "default"
     reduction: str = "xla"
     norm_dtype: str = "f32"
     rope_dtype: str = "f32"
@@ -271,6 +281,12 @@ PRESETS: dict[str, NumericPolicy] = {
     # Sorted dispatch runs only the selected experts; under the tiled kernel its bits equal the dense dispatch's.
     "aligned-bf16": _bf16_compute(matmul_kernel="tiled:8", reduction="tree", rope_dtype="bf16",
                                   combine_weight_dtype="bf16", cross_device="ordered", dispatch="sorted"),
+    # What an accelerator does with float32 products left at DEFAULT precision, made explicit for study: one bf16
+    # pass (a TPU's DEFAULT), three bf16 passes (a TPU's HIGH), TF32 (an Ampere/Hopper GPU's DEFAULT). XLA:CPU
+    # ignores the algorithm (same numbers as fp32) and JAX refuses TF32 on the CPU (docs/policies.md).
+    "fp32-bf16pass": NumericPolicy(matmul_acc="BF16_BF16_F32"),
+    "fp32-bf16x3": NumericPolicy(matmul_acc="BF16_BF16_F32_X3"),
+    "fp32-tf32": NumericPolicy(matmul_acc="TF32_TF32_F32"),
     # Both sides in float16 (Qi et al. 2025); f32 norms, router, softmax and logits.
     "fp16": NumericPolicy(param_dtype="f16", compute_dtype="f16", kv_cache_dtype="f16"),
     # transformers' eager attention and expert loop: RoPE rotation and q.k scores in bf16, router linear in bf16, weights cast back to bf16, one expert at a time,

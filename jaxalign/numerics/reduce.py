@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxalign.numerics import precision
 from jaxalign.numerics.collectives import local_reduce, with_parameter
 from jaxalign.numerics.dtypes import as_compute, as_param, cast
 from jaxalign.numerics.policy import NumericPolicy
@@ -79,7 +80,7 @@ def softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str, axis: int = -1
     """Softmax computed in `dtype_name`; masked entries should be -inf."""
     x = cast(x, dtype_name)
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
-    e = jnp.exp(shifted)
+    e = precision.exp(shifted, policy)
     return e / expand(reduce_sum(e, policy, axis=axis, keepdims=True), axis, x.shape[axis], policy)
 
 
@@ -87,7 +88,7 @@ def log_softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str = "f32", ax
     """log-softmax computed in `dtype_name` (f32 by default, for logprobs)."""
     x = cast(x, dtype_name)
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
-    log_total = jnp.log(reduce_sum(jnp.exp(shifted), policy, axis=axis, keepdims=True))
+    log_total = precision.log(reduce_sum(precision.exp(shifted, policy), policy, axis=axis, keepdims=True), policy)
     return shifted - expand(log_total, axis, x.shape[axis], policy)
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxalign.numerics import precision
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.reduce import log_softmax
 
@@ -97,7 +98,7 @@ def sampling_logprobs(logits: jax.Array, policy: NumericPolicy, temperature: flo
         kth = jax.lax.top_k(x, top_k)[0][..., -1:]
         x = jnp.where(x >= kth, x, neg_inf)
     if top_p is not None and top_p < 1.0:
-        probs = jnp.exp(log_softmax(x, policy))
+        probs = precision.exp(log_softmax(x, policy), policy)
         order = jnp.argsort(-probs, axis=-1, stable=True)
         sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
         mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs

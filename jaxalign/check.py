@@ -1,0 +1,295 @@
+"""`jaxalign check`: validate a model and a trainer/engine policy pair on the current backend.
+
+Three parts, each against a threshold, one pass/fail verdict:
+1. precision audit: every matrix product of the trainer's programs (forward, gradient) and of the engine's
+   (static batch, chunked prefill, continuous batching) states its precision (`jaxalign.align.audit`);
+2. per-kernel batch-invariance probes (matmul, RMSNorm, softmax, attention): one row computed alone and inside
+   batches of 1..32 at the first, middle and last position; a policy that claims batch invariance (a fixed-tile
+   kernel and tree reductions) must give the row's bits every time;
+3. trainer-vs-engine gap (`jaxalign.align.compare`): KL, k3, max |dlogp| and route flips at each engine batch,
+   under continuous batching and with chunked prefill. A pair that claims alignment (one batch-invariant policy
+   on both sides) must be bitwise equal; any other pair must stay at k3 <= 1e-3, the seed's "equivalent".
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from jaxalign.align.audit import PROGRAMS, audit, lower_programs
+from jaxalign.model.transformer import Transformer
+from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics.attention import attention
+from jaxalign.numerics.dtypes import as_compute, cast
+from jaxalign.numerics.matmul import matmul
+from jaxalign.numerics.precision import check_backend
+from jaxalign.numerics.reduce import rms_norm, softmax
+
+THRESHOLD_K3 = 1e-3
+PROBE_BATCHES = (1, 2, 3, 8, 13, 32)
+ENGINE_BATCHES = (1, 8, 32)
+TRAINER_PROGRAMS = ("forward", "gradient")
+ENGINE_PROGRAMS = tuple(p for p in PROGRAMS if p.startswith("engine"))
+# /proc/cpuinfo flag -> the name `--xla_cpu_max_isa` takes, best first
+_ISA_FLAGS = (("amx_tile", "AMX"), ("avx512f", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4_2"))
+
+
+def cpu_isa() -> str:
+    """The instruction set XLA:CPU generates code for: `--xla_cpu_max_isa` from XLA_FLAGS when set, else the
+    best one this CPU reports (/proc/cpuinfo)."""
+    match = re.search(r"--xla_cpu_max_isa=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    if match:
+        return f"{match.group(1)} (XLA_FLAGS --xla_cpu_max_isa)"
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = set(next((line for line in info if line.startswith("flags")), "").split())
+    except OSError:
+        return f"unknown ({platform.machine()})"
+    best = next((name for flag, name in _ISA_FLAGS if flag in flags), platform.machine())
+    return f"{best} (cpu flags)"
+
+
+def environment() -> dict:
+    """What was validated: backend, devices, versions, CPU instruction set, XLA flags."""
+    devices = jax.devices()
+    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind, "device_count": len(devices),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "cpu_isa": cpu_isa(),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def batch_invariant(policy: NumericPolicy) -> bool:
+    """Whether the policy claims that a row's bits do not depend on its batch: a fixed-tile matmul kernel, tree
+    reductions and a dispatch that drops nothing."""
+    return policy.matmul_kernel != "xla" and policy.reduction == "tree" and policy.capacity_factor is None
+
+
+def claims_alignment(trainer: NumericPolicy, engine: NumericPolicy) -> bool:
+    """A pair claims bitwise alignment when both sides run one batch-invariant policy."""
+    return trainer == engine and batch_invariant(trainer)
+
+
+def _kernels(cfg, policy: NumericPolicy) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (make a batch of `b` random rows, the kernel on that batch) at the model's sizes."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(0, cfg.d_model ** -0.5, (cfg.d_model, cfg.vocab_size)), jnp.float32)
+    scale = jnp.asarray(rng.normal(1, 0.1, cfg.d_model), jnp.float32)
+    q_len, k_len = 4, 12
+    q_pos = jnp.arange(k_len - q_len, k_len)[None]
+    k_pos = jnp.arange(k_len)[None]
+
+    def rows(*shape):
+        return lambda b, seed: jnp.asarray(np.random.default_rng(seed).normal(0, 1, (b, *shape)), jnp.float32)
+
+    def attn(x):
+        b = x.shape[0]
+        q, k, v = jnp.split(x, [q_len * cfg.n_heads * cfg.head_dim,
+                                (q_len * cfg.n_heads + cfg.n_kv_heads * k_len) * cfg.head_dim], axis=1)
+        # as the model calls it: queries in the compute dtype, keys and values as the KV cache stores them
+        return attention(as_compute(q.reshape(b, q_len, cfg.n_heads, cfg.head_dim), policy),
+                         cast(k.reshape(b, cfg.n_kv_heads, cfg.head_dim, k_len), policy.kv_cache_dtype),
+                         cast(v.reshape(b, cfg.n_kv_heads, k_len, cfg.head_dim), policy.kv_cache_dtype),
+                         jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy)
+
+    attn_width = (q_len * cfg.n_heads + 2 * cfg.n_kv_heads * k_len) * cfg.head_dim
+    return {
+        "matmul": (rows(cfg.d_model), lambda x: matmul(x, w, policy)),
+        "rms_norm": (rows(cfg.d_model), lambda x: rms_norm(x, scale, policy, cfg.rms_eps)),
+        "softmax": (rows(cfg.vocab_size), lambda x: softmax(x, policy, policy.attn_softmax_dtype)),
+        "attention": (rows(attn_width), attn),
+    }
+
+
+def probe(cfg, policy: NumericPolicy, kernel: str, batches=PROBE_BATCHES) -> dict:
+    """One kernel under `policy`: a row alone, then in each batch size at the first, middle and last position
+    (the other rows random). Returns whether every result had the row's bits, and the largest difference."""
+    make, fn = _kernels(cfg, policy)[kernel]
+    fn = jax.jit(fn)
+    row = make(1, 12345)
+    alone = np.asarray(fn(row)[0], np.float32)
+    cases, max_diff, bitwise = 0, 0.0, True
+    for b in batches:
+        for pos in sorted({0, b // 2, b - 1}):
+            batch = make(b, b).at[pos].set(row[0])
+            got = np.asarray(fn(batch)[pos], np.float32)
+            cases += 1
+            bitwise &= bool(np.array_equal(got, alone))
+            max_diff = max(max_diff, float(np.max(np.abs(got - alone))))
+    return {"kernel": kernel, "cases": cases, "bitwise_invariant": bitwise, "max_abs_diff": max_diff}
+
+
+def _gap_runs(engine_batches) -> list[dict]:
+    runs = [dict(run=f"static batch {b}", engine_batches=(b,), schedule="static", prefill_chunk=None)
+            for b in engine_batches]
+    runs.append(dict(run=f"continuous {max(engine_batches)} slots", engine_batches=(max(engine_batches),),
+                     schedule="continuous", prefill_chunk=None))
+    runs.append(dict(run=f"chunked prefill (4) batch {max(engine_batches)}", engine_batches=(max(engine_batches),),
+                     schedule="static", prefill_chunk=4))
+    return runs
+
+
+def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *,
+              engine_batches=ENGINE_BATCHES, probe_batches=PROBE_BATCHES, n_prompts: int | None = None,
+              max_new_tokens: int = 16, seed: int = 0, progress: bool = True) -> dict:
+    """Run the audit, the probes and the trainer-engine gaps; a JSON-ready report with `passed`."""
+    from tqdm import tqdm
+
+    from jaxalign.align.compare import compare
+
+    check_backend(trainer, label="trainer policy")  # bad input fails here, before anything long starts
+    check_backend(engine, label="engine policy")
+    cfg = model.config
+    aligned = claims_alignment(trainer, engine)
+    sides = {"trainer": trainer} if trainer == engine else {"trainer": trainer, "engine": engine}
+    kernels = list(_kernels(cfg, trainer))
+    gap_runs = _gap_runs(engine_batches)
+    n_prompts = n_prompts or max(engine_batches)
+    bar = tqdm(total=2 + len(sides) * len(kernels) + len(gap_runs), desc="jaxalign check", disable=not progress)
+
+    audits = {}
+    for side, policy, programs in (("trainer", trainer, TRAINER_PROGRAMS), ("engine", engine, ENGINE_PROGRAMS)):
+        bar.set_postfix_str(f"audit {side}")
+        found = audit(lower_programs(model, policy, programs))
+        audits[side] = found | {"passed": not found["problems"] and found["products"] > 0}
+        bar.update()
+
+    probes = []
+    for side, policy in sides.items():
+        claimed = batch_invariant(policy)
+        for kernel in kernels:
+            bar.set_postfix_str(f"probe {side} {kernel}")
+            result = probe(cfg, policy, kernel, probe_batches)
+            status = ("pass" if result["bitwise_invariant"] else "FAIL") if claimed else "info"
+            probes.append({"policy": side, **result, "claimed": claimed, "status": status})
+            bar.update()
+
+    gaps = []
+    for run in gap_runs:
+        bar.set_postfix_str(f"gap {run['run']}")
+        result = compare(model, trainer, engine, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
+                         engine_batches=run["engine_batches"], schedule=run["schedule"],
+                         prefill_chunk=run["prefill_chunk"])["runs"][0]
+        if aligned:
+            ok = result["bitwise_equal_fraction"] == 1.0 and result["route_flip_rate"] == 0.0
+        else:
+            ok = result["k3_kl"] <= THRESHOLD_K3
+        gaps.append({"run": run["run"], "schedule": run["schedule"], "prefill_chunk": run["prefill_chunk"],
+                     **{k: result[k] for k in ("engine_batch", "kl", "k3_kl", "max_abs_logp_diff",
+                                               "bitwise_equal_fraction", "route_flip_rate", "n_tokens")},
+                     "status": "pass" if ok else "FAIL"})
+        bar.update()
+    bar.close()
+
+    passed = (all(a["passed"] for a in audits.values()) and all(p["status"] != "FAIL" for p in probes)
+              and all(g["status"] == "pass" for g in gaps))
+    return {"environment": environment(),
+            "model": {"family": cfg.family, "config_fingerprint": cfg.fingerprint()},
+            "trainer": str(trainer), "engine": str(engine), "claims_alignment": aligned,
+            "thresholds": {"gap": "bitwise" if aligned else f"k3_kl <= {THRESHOLD_K3}",
+                           "probes": "bitwise for a batch-invariant policy, else reported only",
+                           "audit": "no product with its precision or accumulation left to the backend"},
+            "audit": audits, "probes": probes, "gaps": gaps, "passed": passed}
+
+
+def load_model(spec: str, seed: int = 0) -> Transformer:
+    """A model from a preset name, a transformers checkpoint directory or a jaxalign (orbax) checkpoint."""
+    if os.path.isdir(spec):
+        if os.path.isdir(os.path.join(spec, "params")):
+            from jaxalign.checkpoint import load_model as load_checkpoint
+            return load_checkpoint(spec)
+        from jaxalign.interop import hf
+        return hf.load(spec)
+    from jaxalign.model.config import ModelConfig, preset_names
+    if spec not in preset_names():
+        raise ValueError(f"model {spec!r} is neither a directory nor a preset; allowed: a transformers checkpoint "
+                         f"directory, a jaxalign checkpoint directory, or one of {', '.join(preset_names())}")
+    from flax import nnx
+    return Transformer(ModelConfig.preset(spec), rngs=nnx.Rngs(seed))
+
+
+def format_report(result: dict) -> str:
+    """The human form: environment, then the three tables and the verdict."""
+    from jaxalign import report
+    env = result["environment"]
+    lines = [f"backend {env['backend']} ({env['device_count']} x {env['device_kind']}), jax {env['jax']}, "
+             f"jaxlib {env['jaxlib']}, CPU ISA {env['cpu_isa']}",
+             f"XLA_FLAGS: {env['xla_flags'] or '(none)'}",
+             f"model {result['model']['family']} ({result['model']['config_fingerprint']})",
+             f"trainer: {result['trainer']}", f"engine:  {result['engine']}",
+             f"claims alignment: {result['claims_alignment']} (gap threshold: {result['thresholds']['gap']})", "",
+             "precision audit (products whose precision or accumulation is left to the backend):"]
+    rows = [{"side": side, "programs": ", ".join(f"{k} {v}" for k, v in a["per_program"].items()),
+             "products": a["products"], "left_to_backend": len(a["problems"]),
+             "status": "pass" if a["passed"] else "FAIL"} for side, a in result["audit"].items()]
+    lines.append(report.table(rows, ["side", "products", "left_to_backend", "status", "programs"]))
+    for side, a in result["audit"].items():
+        lines += [f"  {side}: {p}" for p in a["problems"][:10]]
+    lines += ["", "batch-invariance probes (a row alone vs in batches, at several positions):",
+              report.table(result["probes"], ["policy", "kernel", "cases", "bitwise_invariant", "max_abs_diff",
+                                              "claimed", "status"]),
+              "", "trainer vs engine:",
+              report.table(result["gaps"], ["run", "kl", "k3_kl", "max_abs_logp_diff", "bitwise_equal_fraction",
+                                            "route_flip_rate", "n_tokens", "status"]),
+              "", "PASS" if result["passed"] else "FAIL"]
+    return "\n".join(lines)
+
+
+def _policy_arg(text: str) -> NumericPolicy:
+    import argparse
+    try:
+        return NumericPolicy.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _batches_arg(text: str) -> tuple[int, ...]:
+    import argparse
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a comma-separated list of positive ints, e.g. 1,8,32")
+    return values
+
+
+def add_parser(sub) -> None:
+    """Add the `check` subcommand to the `jaxalign` command's subparsers."""
+    p = sub.add_parser("check", help="validate a model and a trainer/engine policy pair on this backend: precision "
+                                     "audit, batch-invariance probes, trainer-engine gaps (exit 1 on a failure)")
+    p.add_argument("--model", default="tiny", help="a model preset, a transformers checkpoint directory or a "
+                                                   "jaxalign checkpoint directory (default tiny)")
+    p.add_argument("--model-seed", type=int, default=0, help="parameter init seed of a preset")
+    p.add_argument("--trainer", type=_policy_arg, default=NumericPolicy.preset("aligned-bf16"),
+                   help="trainer policy (preset or string; default aligned-bf16)")
+    p.add_argument("--engine", type=_policy_arg, default=NumericPolicy.preset("aligned-bf16"),
+                   help="engine policy (default aligned-bf16)")
+    p.add_argument("--engine-batch", type=_batches_arg, default=ENGINE_BATCHES,
+                   help="engine batch sizes (default 1,8,32); the largest also runs continuous batching and "
+                        "chunked prefill")
+    p.add_argument("--probe-batch", type=_batches_arg, default=PROBE_BATCHES,
+                   help="batch sizes of the kernel probes (default 1,2,3,8,13,32)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per run (default: the largest engine batch)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object (docs/check.md)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_check)
+
+
+def cmd_check(args) -> int:
+    """The `jaxalign check` command: exit 0 when every check passes, 1 otherwise (2 on bad input)."""
+    from jaxalign import report
+    check_backend(args.trainer, label="--trainer")  # before the model loads
+    check_backend(args.engine, label="--engine")
+    result = run_check(load_model(args.model, args.model_seed), args.trainer, args.engine,
+                       engine_batches=args.engine_batch, probe_batches=args.probe_batch, n_prompts=args.prompts,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, progress=not args.no_progress)
+    print(report.to_json(result) if args.json else format_report(result))
+    return 0 if result["passed"] else 1

@@ -1,0 +1,53 @@
+"""`jaxalign check`: exit 0 for a pair that claims alignment and holds it, 1 for a pair with a gap above the
+threshold, 2 (before the model loads) for a policy the backend cannot run. Small settings: tiny model, engine
+batch 4, probe batches 1 and 3.
+
+The failing pair is a trainer and an engine that drops expert tokens (`dispatch=capacity:0.25`, k3 ~0.025 on
+tiny). `train-bf16`/`serve-bf16` is not used for it: on tiny its k3 is ~3e-5 (README: 5e-4 on small), under
+the seed's 1e-3 "equivalent" threshold, so `check` passes that pair (docs/check.md)."""
+
+import json
+
+import jax
+import pytest
+
+from jaxalign import cli
+
+SMALL = ["--model", "tiny", "--engine-batch", "4", "--probe-batch", "1,3", "--max-new-tokens", "4",
+         "--no-progress"]
+
+
+def _run(capsys, *args):
+    code = cli.main(["check", *SMALL, *args])
+    return code, capsys.readouterr()
+
+
+def test_aligned_pair_passes(capsys):
+    code, out = _run(capsys, "--trainer", "aligned-bf16", "--engine", "aligned-bf16")
+    assert code == 0, out.out
+    assert f"backend {jax.default_backend()}" in out.out and "CPU ISA" in out.out and "claims alignment: True" in out.out
+    assert out.out.rstrip().endswith("PASS") and "FAIL" not in out.out
+
+
+def test_pair_with_a_gap_fails_with_documented_json(capsys):
+    code, out = _run(capsys, "--trainer", "train-bf16", "--engine", "train-bf16,dispatch=capacity:0.25", "--json")
+    assert code == 1
+    result = json.loads(out.out)
+    assert set(result) == {"environment", "model", "trainer", "engine", "claims_alignment", "thresholds", "audit",
+                           "probes", "gaps", "passed"}  # docs/check.md
+    assert set(result["environment"]) == {"backend", "device_kind", "device_count", "jax", "jaxlib", "cpu_isa",
+                                          "xla_flags"}
+    assert result["passed"] is False and result["claims_alignment"] is False
+    assert all(a["passed"] for a in result["audit"].values())  # precision is explicit on both sides ...
+    assert [g["run"] for g in result["gaps"]] == ["static batch 4", "continuous 4 slots", "chunked prefill (4) batch 4"]
+    # ... the failure is the gap: k3 above the threshold
+    assert any(g["status"] == "FAIL" and g["k3_kl"] > 1e-3 for g in result["gaps"])
+    assert {p["kernel"] for p in result["probes"]} == {"matmul", "rms_norm", "softmax", "attention"}
+    assert all(p["status"] == "info" for p in result["probes"])  # neither policy claims batch invariance
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="TF32 is refused only on XLA:CPU")
+def test_policy_the_backend_cannot_run_is_refused_first(capsys):
+    code, out = _run(capsys, "--engine", "fp32-tf32", "--model", "no-such-model")
+    assert code == 2
+    assert "--engine: NumericPolicy.matmul_acc = 'TF32_TF32_F32'" in out.err and "allowed on cpu" in out.err
