@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics.sampling import SamplingParams
 
 LOW_PRECISION = ("bf16", "f16")
 _PRODUCT = re.compile(r"=\s*(?:stablehlo|chlo|mhlo)\.(dot_general|dot|ragged_dot)\b")
@@ -121,8 +122,8 @@ def lower_programs(model, policy: NumericPolicy, programs=PROGRAMS, *, batch: in
     engine_state = jax.eval_shape(functools.partial(_cast_state, policy=policy), state)
     ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
     seed = jax.ShapeDtypeStruct((), jnp.int32)
-    sampling = dict(policy=policy, max_new=max_new, cache_len=seq + max_new, eos_id=None, temperature=1.0,
-                    top_k=None, top_p=None)
+    sampling = dict(policy=policy, max_new=max_new, cache_len=seq + max_new, eos_id=None,
+                    sampling=SamplingParams(temperature=1.0))
     engine_args = (graphdef, engine_state, tokens, ints, ints, seed)
     lower = {
         "forward": lambda: _forward.lower(graphdef, state, tokens, None, policy=policy),
