@@ -17,6 +17,7 @@ ALIGNED = NumericPolicy.preset("aligned-bf16")
     ("continuous", (3, 8), None),
     ("static", (8,), 4),
 ])
+@pytest.mark.bitwise
 def test_aligned_is_bitwise_for_every_batch_and_schedule(schedule, batches, chunk):
     model = build_model("small")
     result = compare(model, ALIGNED, ALIGNED, n_prompts=32, max_new_tokens=12, engine_batches=batches,
@@ -90,6 +91,7 @@ print(float(jnp.max(jnp.abs(apart - fused))))
 """
 
 
+@pytest.mark.bitwise
 def test_excess_precision_is_off_and_would_make_bf16_bits_depend_on_fusion():
     """With XLA's default excess precision, a bf16 elementwise chain is computed in f32 and rounded only at
     fusion boundaries: the same bf16 RoPE hands its consumer other values when it is fused into it than when its

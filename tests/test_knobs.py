@@ -11,6 +11,8 @@ from jaxalign.numerics import FIELDS, NumericPolicy
 
 from conftest import build_lora_model, build_model, forward_logits, random_tokens
 
+pytestmark = pytest.mark.bitwise
+
 # (field, base policy, flipped value). The base is chosen so that the field is live (e.g. matmul accumulation
 # in bf16 needs a bf16 compute dtype; combine order needs a low-precision accumulator to show).
 KNOBS = [

@@ -22,9 +22,11 @@ def _env(*xla_flags, **extra):
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise
 def test_multidevice_suite_on_eight_fake_devices():
     env = _env("--xla_force_host_platform_device_count=8", JAXALIGN_MULTIDEVICE="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    leg = ["-m", "bitwise"] if os.environ.get("JAXALIGN_ISA_LEG") else []  # tests/test_isa_matrix.py
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *leg,
                            os.path.join(ROOT, "tests", "multidevice")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
