@@ -56,7 +56,8 @@ def probe(model_name: str, presets: list[str], out: str) -> None:
                        f"{name}/grads": np.concatenate([np.asarray(g, np.float32).ravel()
                                                         for g in jax.tree.leaves(grads)]),
                        f"{name}/tokens": rollout.tokens, f"{name}/engine_logprobs": rollout.logprobs[rollout.mask]})
-        checks[name] = {"trainer_eq_engine": bool(np.array_equal(rescored[rollout.mask], rollout.logprobs[rollout.mask])),
+        engine = rollout.logprobs[rollout.mask]
+        checks[name] = {"trainer_eq_engine": bool(np.array_equal(rescored[rollout.mask], engine)),
                         "one_device_eq_mesh": bool(np.array_equal(meshed, lp))}
     np.savez(out, **arrays)
     with open(out + ".json", "w") as f:

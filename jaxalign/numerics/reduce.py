@@ -107,9 +107,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, policy: NumericPolicy, eps: float)
 def global_norm(tree, policy: NumericPolicy) -> jax.Array:
     """The L2 norm of every array in a pytree together (float32), e.g. for gradient clipping.
 
-    With `reduction="tree"`: each array's squares are rounded on their own (`uncontracted`) and tree-summed, then the per-array sums are
-    tree-summed in the pytree's leaf order -- a fixed order, so a sharded trainer's norm (and the clipping scale
-    it sets) has one device's bits. XLA's reduce ordered these adds by how the update program was fused."""
+    With `reduction="tree"`: each array's squares are rounded on their own (`uncontracted`) and tree-summed,
+    then the per-array sums are tree-summed in the pytree's leaf order -- a fixed order, so a sharded trainer's
+    norm (and the clipping scale it sets) has one device's bits. XLA's reduce ordered these adds by how the update program was fused."""
     leaves = [jnp.asarray(x, jnp.float32).reshape(-1) for x in jax.tree.leaves(tree)]
     if policy.reduction != "tree":
         return jnp.sqrt(sum(jnp.sum(x * x) for x in leaves))

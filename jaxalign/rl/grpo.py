@@ -68,7 +68,8 @@ def policy_loss(logp, logp_old, advantages, weights, mask, cfg: GRPOConfig, logp
         loss = mean(per_token, policy, mask)
     else:
         tokens = reduce_sum(jnp.asarray(mask, per_token.dtype), policy, axis=1)
-        per_seq = reduce_sum(uncontracted(jnp.where(mask, per_token, 0.0), policy), policy, axis=1) / jnp.maximum(tokens, 1.0)
+        kept = uncontracted(jnp.where(mask, per_token, 0.0), policy)
+        per_seq = reduce_sum(kept, policy, axis=1) / jnp.maximum(tokens, 1.0)
         loss = mean(per_seq, policy, tokens > 0)
     n = jnp.maximum(total(jnp.asarray(mask, jnp.float32), policy), 1.0)
     stats = {"clip_fraction": total((unclipped != clipped).astype(jnp.float32), policy, mask) / n,
