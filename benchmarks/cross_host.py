@@ -7,6 +7,7 @@ its gradients, and greedy generation (tokens and engine logprobs); within each I
 bitwise. Across ISAs it reports, per quantity, whether the bits are identical and the max |delta|.
 
     python benchmarks/cross_host.py [--model tiny] [--presets fp32,aligned-bf16,serve-bf16] [--isas AVX2,AVX,SSE4_2]
+                                    [--keep DIR]
 """
 
 from __future__ import annotations
@@ -64,14 +65,18 @@ def probe(model_name: str, presets: list[str], out: str) -> None:
         json.dump(checks, f)
 
 
-def run_probe(isa: str, args, tmp: str) -> tuple[dict, dict, float]:
-    """The probe in a fresh process under `isa` ('native' = no cap): (arrays, within-ISA checks, seconds)."""
+def run_probe(isa: str, args, tmp: str) -> tuple[dict, dict, float | None]:
+    """The probe in a fresh process under `isa` ('native' = no cap): (arrays, within-ISA checks, seconds).
+    With `--keep DIR` the probe's files stay in DIR, and a probe already there is read instead of rerun."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith(("--xla_cpu_max_isa", "--xla_force_host_platform_device_count"))]
     flags.append("--xla_force_host_platform_device_count=2")
     if isa != "native":
         flags.append(f"--xla_cpu_max_isa={isa}")
-    out = os.path.join(tmp, f"{isa}.npz")
+    out = os.path.join(args.keep or tmp, f"{isa}.npz")
+    if args.keep and os.path.exists(out + ".json"):
+        with np.load(out) as data, open(out + ".json") as f:
+            return {k: data[k] for k in data.files}, json.load(f), None
     start = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--probe", out, "--model", args.model, "--presets", args.presets],
                    env=dict(os.environ, XLA_FLAGS=" ".join(flags)), check=True)
@@ -79,11 +84,22 @@ def run_probe(isa: str, args, tmp: str) -> tuple[dict, dict, float]:
         return {k: data[k] for k in data.files}, json.load(f), time.perf_counter() - start
 
 
+def _cell(row: dict, q: str) -> str:
+    """One table cell: identical, the fraction of equal tokens, or the max |delta| (n/a if the shapes differ)."""
+    if row[f"{q}_identical"]:
+        return "identical"
+    if q == "tokens":
+        return f"{row['tokens_same_fraction']:.3f} same"
+    diff = row[f"{q}_max_abs_diff"]
+    return "n/a (other tokens)" if diff is None else f"{diff:.2e}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--presets", default="fp32,aligned-bf16,serve-bf16")
     ap.add_argument("--isas", default="AVX2,AVX,SSE4_2")
+    ap.add_argument("--keep", help="keep (and reuse) each ISA's probe files in this folder")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cross_host.json"))
     args = ap.parse_args()
@@ -93,7 +109,7 @@ def main() -> None:
 
     sys.path.insert(0, HERE)
     from common import write_json
-    isas = ["native"] + args.isas.split(",")
+    isas = ["native"] + [isa for isa in args.isas.split(",") if isa]
     with tempfile.TemporaryDirectory() as tmp:
         runs = {isa: run_probe(isa, args, tmp) for isa in isas}
     native = runs["native"][0]
@@ -101,7 +117,8 @@ def main() -> None:
     for isa in isas:
         arrays, checks, seconds = runs[isa]
         for name in presets:
-            row = {"isa": isa, "preset": name, **checks[name], "seconds": round(seconds, 1)}
+            row = {"isa": isa, "preset": name, **checks[name],
+                   "probe_seconds": None if seconds is None else round(seconds, 1)}
             for q in QUANTITIES:
                 a, b = arrays[f"{name}/{q}"], native[f"{name}/{q}"]
                 same_shape = a.shape == b.shape
@@ -112,14 +129,12 @@ def main() -> None:
                     row[f"{q}_max_abs_diff"] = (float(np.max(np.abs(a.astype(np.float64) - b)))
                                                 if same_shape and a.size else None)
             rows.append(row)
-    print(f"{'isa':8} {'preset':13} {'trainer=engine':>14} {'1dev=mesh':>9} " +
-          " ".join(f"{q:>16}" for q in QUANTITIES))
+    print("| ISA | preset | trainer == engine | 1 device == tensor=2 | " + " | ".join(QUANTITIES) + " |")
+    print("|---" * (4 + len(QUANTITIES)) + "|")
     for r in rows:
-        cells = [("identical" if r[f"{q}_identical"] else
-                  (f"{r['tokens_same_fraction']:.3f} same" if q == "tokens" else f"{r[f'{q}_max_abs_diff']:.2e}"))
-                 for q in QUANTITIES]
-        print(f"{r['isa']:8} {r['preset']:13} {str(r['trainer_eq_engine']):>14} {str(r['one_device_eq_mesh']):>9} " +
-              " ".join(f"{c:>16}" for c in cells))
+        cells = [_cell(r, q) for q in QUANTITIES]
+        print(f"| {r['isa']} | {r['preset']} | {'bitwise' if r['trainer_eq_engine'] else 'no'} | "
+              f"{'bitwise' if r['one_device_eq_mesh'] else 'no'} | " + " | ".join(cells) + " |")
     with open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else open(os.devnull) as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
     write_json(args.out, {"cpu": cpu, "model": args.model, "rows": rows})
