@@ -17,6 +17,7 @@ ALIGNED = NumericPolicy.preset("aligned-bf16")
     ("continuous", (3, 8), None),
     ("static", (8,), 4),
 ])
+@pytest.mark.bitwise
 def test_aligned_is_bitwise_for_every_batch_and_schedule(schedule, batches, chunk):
     model = build_model("small")
     result = compare(model, ALIGNED, ALIGNED, n_prompts=32, max_new_tokens=12, engine_batches=batches,
@@ -90,6 +91,7 @@ print(float(jnp.max(jnp.abs(apart - fused))))
 """
 
 
+@pytest.mark.bitwise
 def test_excess_precision_is_off_and_would_make_bf16_bits_depend_on_fusion():
     """With XLA's default excess precision, a bf16 elementwise chain is computed in f32 and rounded only at
     fusion boundaries: the same bf16 RoPE hands its consumer other values when it is fused into it than when its
@@ -101,11 +103,13 @@ def test_excess_precision_is_off_and_would_make_bf16_bits_depend_on_fusion():
     import sys
 
     import jaxalign
+    from isa import child_xla_flags
 
     assert jaxalign.EXACT_LOW_PRECISION and "--xla_allow_excess_precision=false" in os.environ["XLA_FLAGS"]
     gaps = {}
     for flag in ("false", "true"):
-        env = dict(os.environ, XLA_FLAGS=f"--xla_allow_excess_precision={flag}")
+        kept = [f for f in child_xla_flags().split() if "xla_allow_excess_precision" not in f]  # e.g. an ISA cap
+        env = dict(os.environ, XLA_FLAGS=" ".join(kept + [f"--xla_allow_excess_precision={flag}"]))
         out = subprocess.run([sys.executable, "-c", _FUSION_PROBE], env=env, capture_output=True, text=True,
                              timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
         assert out.returncode == 0, out.stderr

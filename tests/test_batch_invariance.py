@@ -45,6 +45,7 @@ def test_xla_matmul_is_not_batch_invariant_on_this_cpu():
     assert differing, "XLA's kernel happened to be batch invariant here; the tiled kernel is then not needed"
 
 
+@pytest.mark.bitwise
 def test_aligned_forward_is_batch_and_position_invariant():
     model = build_model("tiny")
     pool = random_tokens(model.config, 32, 16, seed=4)

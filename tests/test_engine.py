@@ -120,6 +120,7 @@ def test_sampling_frequencies_pass_chi_square(kw, expected):
     assert pvalue > 1e-3, (counts, n * probs)
 
 
+@pytest.mark.bitwise
 def test_aligned_request_is_invariant_to_batch_and_slot(model):
     prompts = _prompts(32, seed=4)
     kw = dict(max_new_tokens=8, temperature=1.0, seed=11, eos_id=1)

@@ -10,20 +10,23 @@ import pytest
 
 from jaxalign.model.sharding import make_mesh, parse_mesh_spec, spec_for
 
+from isa import child_env  # tests/isa.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _env(**extra):
-    """This process's environment without its XLA_FLAGS (set before our JAX started), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(extra)
-    return env
+def _env(*xla_flags, **extra):
+    """This process's environment, its XLA_FLAGS (e.g. an ISA cap) kept but any device count dropped, plus
+    `xla_flags` and `extra`."""
+    return child_env(*xla_flags, **extra)
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise
 def test_multidevice_suite_on_eight_fake_devices():
-    env = _env(JAXALIGN_MULTIDEVICE="1", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    env = _env("--xla_force_host_platform_device_count=8", JAXALIGN_MULTIDEVICE="1")
+    leg = ["-m", "bitwise"] if os.environ.get("JAXALIGN_ISA_LEG") else []  # tests/test_isa_matrix.py
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *leg,
                            os.path.join(ROOT, "tests", "multidevice")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]

@@ -14,6 +14,7 @@ from jaxalign.model.config import ModelConfig
 from jaxalign.rl.sft import warm_start
 from jaxalign.rl.trainer import Trainer
 
+from isa import child_env
 from rl_settings import SFT, rl_config, strip_timing
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -33,9 +34,10 @@ def test_two_processes_train_checkpoint_and_resume_like_one_device(tmp_path):
     port = _free_port()
     procs, outs = [], []
     for pid in range(2):
-        env = dict(os.environ, JAXALIGN_COORDINATOR=f"127.0.0.1:{port}", JAXALIGN_NUM_PROCESSES="2",
-                   JAXALIGN_PROCESS_ID=str(pid))
-        env.pop("XLA_FLAGS", None)  # one CPU device per process: the mesh's two devices are in two processes
+        # one CPU device per process (no fake device count): the mesh's two devices are in two processes;
+        # the rest of XLA_FLAGS (an ISA cap) is kept
+        env = child_env(JAXALIGN_COORDINATOR=f"127.0.0.1:{port}", JAXALIGN_NUM_PROCESSES="2",
+                        JAXALIGN_PROCESS_ID=str(pid))
         out = str(tmp_path / f"rows{pid}.json")
         outs.append(out)
         procs.append(subprocess.Popen([sys.executable, os.path.join(TESTS, "multidevice", "rl_worker.py"), TESTS, cache,

@@ -96,11 +96,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, policy: NumericPolicy, eps: float)
     """RMSNorm over the last axis: normalised in `norm_dtype`, cast to the compute dtype, then times the weight
     (in the compute dtype, as transformers does)."""
     xn = cast(x, policy.norm_dtype)
-    squares = xn * xn
-    if policy.reduction == "tree":
-        # materialise the squares: inside one fusion LLVM may contract a*a + b*b into an FMA (one rounding
-        # instead of two) depending on how the program was fused -- a sharded program fuses differently
-        squares = jax.lax.optimization_barrier(squares)
+    # inside one fusion LLVM may contract a*a + b*b into an FMA (one rounding instead of two) depending on how
+    # the program was fused -- a sharded program fuses differently
+    squares = uncontracted(xn * xn, policy)
     mean_sq = reduce_sum(squares, policy, axis=-1, keepdims=True) / xn.shape[-1]
     normed = xn * expand(jax.lax.rsqrt(mean_sq + jnp.asarray(eps, xn.dtype)), -1, xn.shape[-1], policy)
     scale = lambda n, w: as_compute(n, policy) * as_compute(as_param(w, policy), policy)  # noqa: E731
@@ -110,11 +108,55 @@ def rms_norm(x: jax.Array, weight: jax.Array, policy: NumericPolicy, eps: float)
 def global_norm(tree, policy: NumericPolicy) -> jax.Array:
     """The L2 norm of every array in a pytree together (float32), e.g. for gradient clipping.
 
-    With `reduction="tree"`: each array's squares are materialised and tree-summed, then the per-array sums are
-    tree-summed in the pytree's leaf order -- a fixed order, so a sharded trainer's norm (and the clipping scale
-    it sets) has one device's bits. XLA's reduce ordered these adds by how the update program was fused."""
+    With `reduction="tree"`: each array's squares are rounded on their own (`uncontracted`) and tree-summed,
+    then the per-array sums are tree-summed in the pytree's leaf order -- a fixed order, so a sharded trainer's
+    norm (and the clipping scale it sets) has one device's bits. XLA's reduce ordered these adds by how the update program was fused."""
     leaves = [jnp.asarray(x, jnp.float32).reshape(-1) for x in jax.tree.leaves(tree)]
     if policy.reduction != "tree":
         return jnp.sqrt(sum(jnp.sum(x * x) for x in leaves))
-    squares = jax.lax.optimization_barrier([x * x for x in leaves])  # no a*a + b*b contracted into an FMA
+    squares = [uncontracted(x * x, policy) for x in leaves]  # no a*a + b*b contracted into an FMA
     return jnp.sqrt(tree_sum(jnp.stack([tree_sum(x) for x in squares])))
+
+
+def total(x: jax.Array, policy: NumericPolicy, mask: jax.Array | None = None) -> jax.Array:
+    """The sum of every element of x (those where `mask`, a 0/1 array of x's shape, is non-zero), in x's dtype.
+
+    With `reduction="tree"` the elements are summed row-major with the halving tree: a fixed order, so a loss
+    or a metric has the same bits in every program that computes it (one device, a mesh's replicated copy,
+    each of several processes). XLA's reduce orders its adds by how the program around it was fused and by the
+    vector width of the ISA it targets: `-jnp.mean(logprobs)` gave a mesh's loss one float32 ulp away from one
+    device's under AVX2. Masked-out elements are selected away (no product), and the summands are kept from
+    the tree's first adds (`uncontracted`): a product computed just before would otherwise be contracted with the
+    tree's first adds into FMAs in some programs and not in others. Under `cross_device=ordered` on a mesh the
+    array is gathered first."""
+    if mask is not None:
+        x = jnp.where(jnp.asarray(mask) != 0, x, jnp.zeros((), x.dtype))
+    if policy.reduction != "tree":
+        return jnp.sum(x, dtype=x.dtype)
+    x = local_reduce(uncontracted(x, policy), policy, tuple(range(x.ndim)))
+    return tree_sum(x.reshape(-1))
+
+
+def mean(x: jax.Array, policy: NumericPolicy, mask: jax.Array | None = None) -> jax.Array:
+    """`total(x, policy, mask)` divided by the number of elements summed (at least 1), e.g. a token-mean loss."""
+    if mask is None:
+        return total(x, policy) / jnp.asarray(max(1, x.size), x.dtype)
+    count = total(jnp.asarray(mask != 0, x.dtype), policy)  # small integers: exact in any order
+    return total(x, policy, mask) / jnp.maximum(count, jnp.ones((), x.dtype))
+
+
+def uncontracted(x: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """x (a product about to meet an add) kept from being contracted with that add into a fused multiply-add,
+    under `reduction="tree"`; identity under `reduction="xla"`.
+
+    XLA:CPU lets LLVM contract `a * b + c` into one FMA (one rounding instead of two) whenever the ISA has FMA
+    (AVX2 and later; not AVX or SSE4.2) and the multiply and the add land in one fusion -- which depends on how
+    the whole program was fused, so the same expression rounded differently in a one-device program and a
+    mesh's. Neither `lax.optimization_barrier` (XLA:CPU expands it before fusion), `reduce_precision` nor a
+    bitcast round trip stops it: they are simplified away. `where(x == x, x, nan)` is the same value (NaN stays
+    NaN) but puts a select between the multiply and the add, which LLVM does not contract across: products are
+    rounded on their own in every program and under every ISA (docs/policies.md, "FMA contraction";
+    tests/test_optimizer.py checks it)."""
+    if policy.reduction != "tree":
+        return x
+    return jnp.where(x == x, x, jnp.asarray(jnp.nan, x.dtype))

@@ -15,6 +15,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jaxalign.numerics.policy import NumericPolicy
+from jaxalign.numerics.reduce import mean, reduce_sum, total, uncontracted
+
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 CLIP_FRACTIONS = ("active", "outside")
 ADVANTAGE_STDS = ("unbiased", "population")
@@ -60,11 +63,18 @@ def group_advantages(rewards, group_size: int, eps: float = 1e-6, *, std: str = 
     return ((g - mean) / (spread + eps)).reshape(-1).astype(np.float32)
 
 
-def policy_loss(logp, logp_old, advantages, weights, mask, cfg: GRPOConfig, logp_ref=None):
+def policy_loss(logp, logp_old, advantages, weights, mask, cfg: GRPOConfig, logp_ref=None,
+                policy: NumericPolicy | None = None):
     """PPO-clip loss and diagnostics. All per-token [B, S] except advantages [B]; `mask` = accepted tokens,
     `weights` = IS weights (constants). Returns (loss, {"clip_fraction", "ratio_mean", "kl_ref"}); clip_fraction
-    per `cfg.clip_fraction` (module docstring)."""
-    mask = mask.astype(jnp.float32)
+    per `cfg.clip_fraction` (module docstring).
+
+    Every sum runs as `policy.reduction` says (`numerics.reduce.total`; XLA's reduce without a policy), so
+    under `reduction=tree` the loss and its diagnostics have one set of bits in every program and on every
+    mesh."""
+    policy = policy or NumericPolicy()
+    mask = mask != 0
+
     ratio = jnp.exp(jnp.clip(logp - logp_old, -20.0, 20.0))
     adv = advantages[:, None]
     unclipped = ratio * adv
@@ -73,17 +83,19 @@ def policy_loss(logp, logp_old, advantages, weights, mask, cfg: GRPOConfig, logp
     kl_ref = jnp.zeros_like(per_token)
     if logp_ref is not None and cfg.kl_coef > 0:
         m = jnp.clip(logp_ref - logp, -20.0, 20.0)
-        kl_ref = jnp.exp(m) - 1.0 - m
-        per_token = per_token + cfg.kl_coef * kl_ref
+        kl_ref = uncontracted(jnp.exp(m), policy) - 1.0 - m  # exp's last multiply must not meet the - 1 in an FMA
+        per_token = uncontracted(per_token, policy) + uncontracted(cfg.kl_coef * kl_ref, policy)
     if cfg.loss_agg == "token-mean":
-        loss = jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        loss = mean(per_token, policy, mask)
     else:
-        per_seq = jnp.sum(per_token * mask, 1) / jnp.maximum(jnp.sum(mask, 1), 1.0)
-        has = (jnp.sum(mask, 1) > 0).astype(jnp.float32)
-        loss = jnp.sum(per_seq * has) / jnp.maximum(jnp.sum(has), 1.0)
-    n = jnp.maximum(jnp.sum(mask), 1.0)
+        tokens = reduce_sum(jnp.asarray(mask, per_token.dtype), policy, axis=1)
+        kept = uncontracted(jnp.where(mask, per_token, 0.0), policy)
+        per_seq = reduce_sum(kept, policy, axis=1) / jnp.maximum(tokens, 1.0)
+        loss = mean(per_seq, policy, tokens > 0)
+    n = jnp.maximum(total(jnp.asarray(mask, jnp.float32), policy), 1.0)
     # verl's pg_clipfrac compares the losses: -A*clip(ratio) > -A*ratio, i.e. min() takes the clipped term
     active = (-clipped > -unclipped) if cfg.clip_fraction == "active" else (unclipped != clipped)
-    stats = {"clip_fraction": jnp.sum(active * mask) / n,
-             "ratio_mean": jnp.sum(ratio * mask) / n, "kl_ref": jnp.sum(kl_ref * mask) / n}
+    stats = {"clip_fraction": total(active.astype(jnp.float32), policy, mask) / n,
+             "ratio_mean": total(ratio, policy, mask) / n, "kl_ref": total(kl_ref, policy, mask) / n}
+
     return loss, stats

@@ -29,6 +29,7 @@ from jaxalign.model.sharding import (make_mesh, mesh_context, parse_mesh_spec, p
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.collectives import replicate
+from jaxalign.numerics.optimizer import adamw
 from jaxalign.numerics.reduce import global_norm
 from jaxalign.rl import countdown, tokenizer
 from jaxalign.rl.correction import CorrectionConfig, correct
@@ -104,8 +105,10 @@ def make_optimizer(learning_rate: float, weight_decay: float, grad_clip: float, 
                    policy: NumericPolicy | None = None) -> optax.GradientTransformation:
     """AdamW with global-norm gradient clipping (norm summed as `policy` says; optax's own when None); with
     `lora_only`, every non-adapter parameter is frozen."""
-    clip = optax.clip_by_global_norm(grad_clip) if policy is None else clip_by_global_norm(grad_clip, policy)
-    opt = optax.chain(clip, optax.adamw(learning_rate, weight_decay=weight_decay))
+    if policy is None:
+        opt = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(learning_rate, weight_decay=weight_decay))
+    else:  # the norm's order and AdamW's multiply-adds as the policy says (numerics.optimizer)
+        opt = optax.chain(clip_by_global_norm(grad_clip, policy), adamw(learning_rate, weight_decay, policy))
     if not lora_only:
         return opt
     from jaxalign.model.lora import is_lora_path
@@ -220,7 +223,7 @@ class Trainer:
             per_token = (lp, logp_old, advantages, weights, mask, logp_ref)
             if ordered:  # the loss sums over the whole batch: on one device, in the one-device order
                 per_token = replicate(per_token)
-            return policy_loss(*per_token[:5], cfg.grpo, logp_ref=per_token[5])
+            return policy_loss(*per_token[:5], cfg.grpo, logp_ref=per_token[5], policy=self.trainer_policy)
 
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         if ordered:  # the clipping norm sums over every (sharded) gradient: replicated, it sums in one place
