@@ -183,15 +183,49 @@ def _str_list(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
+def _arms(args) -> tuple[str, ...]:
+    """The experiment's arm strings from --arm (repeatable) or the older --arms NAME,NAME (built-ins only)."""
+    from jaxalign.rl.arms import parse_arms
+    if args.arm and args.arms:
+        raise ValueError("give arms with --arm (repeatable) or --arms NAME,NAME, not both")
+    arms = tuple(args.arm) if args.arm else (tuple(args.arms) if args.arms else ("aligned", "misaligned"))
+    parse_arms(arms)  # a clear error before anything runs
+    return arms
+
+
+def _count_range(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition("-")
+        rng = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed N or MIN-MAX, e.g. 3 or 2-3") from None
+    if not 2 <= rng[0] <= rng[1] <= 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: counts must lie within 2..4 with MIN <= MAX")
+    return rng
+
+
 def cmd_experiment(args) -> int:
     from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
     from jaxalign.rl.sft import SFTConfig
-    exp = ExperimentConfig(arms=args.arms, seeds=tuple(args.seeds), steps=args.steps,
+    study = args.study is not None
+    steps = args.steps if args.steps is not None else (200 if study else 30)
+    seeds = tuple(args.seeds) if args.seeds is not None else ((0, 1, 2) if study else (0,))
+    exp = ExperimentConfig(arms=_arms(args), seeds=seeds, steps=steps,
                            prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-                           learning_rate=args.learning_rate, is_threshold=args.is_threshold, rs=args.rs,
-                           eval_every=args.eval_every, eval_problems=args.eval_problems,
-                           sft=SFTConfig(steps=args.sft_steps), trainer_mesh=args.trainer_mesh or "",
-                           engine_mesh=args.engine_mesh or "")
+                           max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
+                           is_threshold=args.is_threshold, rs=args.rs, eval_every=args.eval_every,
+                           eval_problems=args.eval_problems, problem_count=tuple(args.problem_count),
+                           max_target=args.max_target,
+                           sft=SFTConfig(steps=args.sft_steps, problems=args.sft_problems,
+                                         problem_count=tuple(args.problem_count),
+                                         max_new_tokens=args.max_new_tokens),
+                           trainer_mesh=args.trainer_mesh or "", engine_mesh=args.engine_mesh or "")
+    if args.study:
+        from jaxalign.rl.study import run_study, study_markdown
+        result = run_study(exp, args.out, progress=not args.json,
+                           arms=exp.arms if (args.arm or args.arms) else None)
+        print(report.to_json(result) if args.json else study_markdown(result))
+        return 0
     summary = run_experiment(exp, args.out, progress=not args.json)
     if args.json:
         print(report.to_json(summary))
@@ -255,18 +289,30 @@ def make_parser() -> argparse.ArgumentParser:
     esub = p.add_subparsers(dest="experiment", required=True)
     e = esub.add_parser("countdown", help="GRPO on Countdown, one arm per numeric set-up, same warm start, "
                                           "problems and seeds")
-    e.add_argument("--arms", type=_str_list, default=("aligned", "misaligned"), help="aligned,misaligned")
-    e.add_argument("--steps", type=int, default=30)
-    e.add_argument("--seeds", type=_int_list_nonneg, default=[0], help="e.g. 0,1,2")
+    e.add_argument("--arm", action="append", default=[], metavar="SPEC",
+                   help="an arm, repeatable: NAME=TRAINER/ENGINE[;correction=MODE][;replay=none|r2|r3] (policies "
+                        "may contain commas; see jaxalign.rl.arms), or a built-in name (aligned, misaligned); "
+                        "default: aligned and misaligned")
+    e.add_argument("--arms", type=_str_list, default=None, help="built-in arm names, comma-separated (older form)")
+    e.add_argument("--study", choices=("gap",), default=None,
+                   help="gap: the dose-response study over a ladder of engine policies, with and without "
+                        "correction (--arm then replaces the ladder)")
+    e.add_argument("--steps", type=int, default=None, help="default 30 (the study: 200)")
+    e.add_argument("--seeds", type=_int_list_nonneg, default=None, help="e.g. 0,1,2 (default 0; the study: 0,1,2)")
     e.add_argument("--prompts-per-step", type=int, default=8)
     e.add_argument("--group-size", type=int, default=4)
+    e.add_argument("--max-new-tokens", type=int, default=24)
     e.add_argument("--learning-rate", type=float, default=3e-4)
-    e.add_argument("--is-threshold", default="2.0", help="TIS cap C, or lo_hi for IcePop")
+    e.add_argument("--is-threshold", default="2.0", help="default correction: TIS cap C, or lo_hi for IcePop")
     e.add_argument("--rs", type=_str_list, default=("seq_mean_k1:0.999_1.001",),
-                   help="rejection rules MODE:THRESHOLD, comma-separated (empty string: none)")
+                   help="default correction: rejection rules MODE:THRESHOLD, comma-separated (empty string: none)")
     e.add_argument("--eval-every", type=int, default=5)
     e.add_argument("--eval-problems", type=int, default=64)
+    e.add_argument("--problem-count", type=_count_range, default=(3, 3),
+                   help="how many numbers a problem has: N or MIN-MAX within 2..4 (default 3)")
+    e.add_argument("--max-target", type=int, default=99, help="largest target (default 99)")
     e.add_argument("--sft-steps", type=int, default=600)
+    e.add_argument("--sft-problems", type=int, default=4000)
     e.add_argument("--out", required=True, help="output directory (resumes runs found there)")
     e.add_argument("--json", action="store_true")
     _add_mesh_args(e)

@@ -65,3 +65,5 @@ def test_lora_trainer_updates_only_adapters(tmp_path):
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
     assert changed and all("lora" in k for k in changed)
     assert any("lora_b" in k for k in changed)
+    from jaxalign.model.lora import has_lora
+    assert not has_lora(model) and has_lora(trainer.model)  # adapters went into the trainer's own copy

@@ -113,3 +113,49 @@ def test_kl_to_reference_is_logged_and_grows_from_zero(base, tmp_path):
     kl = [r["kl_ref"] for r in rows if r["step"] > 0]
     assert kl[0] == 0.0  # the first update starts at the reference
     assert max(kl[1:]) > 0.0
+
+
+KILL_SETTINGS = {"steps": 6, "checkpoint_every": 2, "eval_every": 2}
+
+
+def test_sigkill_after_a_checkpoint_then_rerun_gives_the_uninterrupted_metrics_bitwise(base, tmp_path):
+    """The issue's case: killed just after its first checkpoint, the same command again must keep the warm-start
+    evaluation (step 0) and steps 1-2, and leave metrics.jsonl byte-identical to an uninterrupted run's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jaxalign.rl.rundir import RunMismatch
+
+    cache, _ = base
+    model = _model(base)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(nnx.state(model))]
+    straight = tmp_path / "straight"
+    Trainer(model, rl_config(**KILL_SETTINGS), str(straight)).run(progress=False)
+    for a, b in zip(before, jax.tree.leaves(nnx.state(model))):  # the trainer trained its own copy
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+    killed = tmp_path / "killed"
+    tests = os.path.dirname(__file__)
+    proc = subprocess.Popen([sys.executable, os.path.join(tests, "rl_run_worker.py"), tests, cache, str(killed),
+                             json.dumps(KILL_SETTINGS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while not (killed / "checkpoints" / "2").is_dir():
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL  # killed mid-run, not finished
+    with open(killed / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f][:3] == [0, 1, 2]  # durable before the checkpoint
+
+    Trainer(_model(base), rl_config(**KILL_SETTINGS), str(killed)).run(progress=False)  # the same command again
+    assert (killed / "metrics.jsonl").read_bytes() == (straight / "metrics.jsonl").read_bytes()
+    with open(killed / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(7))
+
+    # the finished directory refuses another setting instead of reporting its numbers as the new run's
+    with pytest.raises(RunMismatch, match=r"learning_rate: 0.0003 -> 0.123"):
+        Trainer(_model(base), rl_config(**KILL_SETTINGS, learning_rate=0.123), str(killed))

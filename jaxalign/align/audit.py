@@ -136,21 +136,20 @@ def lower_programs(model, policy: NumericPolicy, programs=PROGRAMS, *, batch: in
 
 
 def lower_rl_update(model, policy: NumericPolicy, config=None, *, batch: int = 2) -> str:
-    """StableHLO text of the RL trainer's update step (`Trainer._update_fn`: loss, gradient, clipping, AdamW)
+    """StableHLO text of the RL trainer's update step (`rl.trainer.make_update`: loss, gradient, clipping, AdamW)
     under `policy`, for `model` and an `RLConfig` (default one). No engine, checkpoint or optimizer state is
     built: the update is lowered on abstract inputs."""
-    from jaxalign.rl.trainer import PROMPT_WIDTH, RLConfig, Trainer, make_optimizer
+    from jaxalign.rl.trainer import PROMPT_WIDTH, RLConfig, TrainBatch, make_optimizer, make_update
 
     config = config or RLConfig()
-    trainer = object.__new__(Trainer)  # only what `_update_fn` reads
-    trainer.config, trainer.trainer_policy = config, policy
-    trainer.graphdef, state = nnx.split(model)
-    trainer.optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip,
-                                       lora_only=bool(config.lora_rank), policy=policy)
+    graphdef, state = nnx.split(model)
+    optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip,
+                               lora_only=bool(config.lora_rank), policy=policy)
     params = _abstract(state)
     width = PROMPT_WIDTH + config.max_new_tokens
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    return jax.jit(trainer._update_fn).lower(
-        params, jax.eval_shape(trainer.optimizer.init, params), jax.ShapeDtypeStruct((batch, width), jnp.int32),
-        None, f32(batch, width - 1), f32(batch), f32(batch, width - 1),
-        jax.ShapeDtypeStruct((batch, width - 1), jnp.bool_), None).as_text()
+    train_batch = TrainBatch(tokens=jax.ShapeDtypeStruct((batch, width), jnp.int32), logp_old=f32(batch, width - 1),
+                             advantages=f32(batch), weights=f32(batch, width - 1),
+                             mask=jax.ShapeDtypeStruct((batch, width - 1), jnp.bool_), replay=None, logp_ref=None)
+    update = make_update(graphdef, policy, optimizer, config)
+    return jax.jit(update).lower(params, jax.eval_shape(optimizer.init, params), train_batch).as_text()

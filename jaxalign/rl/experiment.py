@@ -1,13 +1,15 @@
-"""The seed experiment: the same RL task run in arms that differ only in whether trainer and engine compute
-token probabilities the same way.
+"""The seed experiment: the same RL task run in arms that differ only in how trainer and engine compute token
+probabilities (and, where an arm says so, in the rollout correction and router replay).
 
+Arms are data (`jaxalign.rl.arms`): `NAME=TRAINER/ENGINE[;correction=...][;replay=...]`. The defaults:
 - `aligned`: `aligned-bf16` on both sides.
-- `misaligned`: `train-bf16` trainer, `serve-bf16` engine, protected by verl-style safeguards (token-level TIS
-  and rejection sampling; thresholds configurable).
+- `misaligned`: `train-bf16` trainer, `serve-bf16` engine, protected by the experiment's default verl-style
+  safeguards (token-level TIS and geometric rejection sampling; thresholds configurable).
 
-Both arms start from the same SFT warm start, see the same problems and sampling seeds, and use the same
-algorithm settings. Writes per arm and seed `metrics.jsonl` (+ TensorBoard and checkpoints), and at the top
-`summary.json`, `summary.md` and PNG plots.
+Every arm and seed starts from the same SFT warm start and sees the same problems and sampling seeds. Writes per
+arm and seed `metrics.jsonl` (+ TensorBoard and checkpoints), and at the top `run.json` (the experiment's
+settings and build: another configuration on the same directory is refused), `summary.json`, `summary.md` and
+PNG plots.
 """
 
 from __future__ import annotations
@@ -20,20 +22,19 @@ import numpy as np
 
 from jaxalign import report
 from jaxalign.model.config import ModelConfig
+from jaxalign.rl import rundir
+from jaxalign.rl.arms import Arm, parse_arms
 from jaxalign.rl.correction import CorrectionConfig
 from jaxalign.rl.sft import SFTConfig, warm_start
+from jaxalign.rl.task import CountdownTask
 from jaxalign.rl.trainer import RLConfig, Trainer
 
-ARMS = {
-    "aligned": ("aligned-bf16", "aligned-bf16"),
-    "misaligned": ("train-bf16", "serve-bf16"),
-}
 DEFAULT_RS = ("seq_mean_k1:0.999_1.001",)  # verl's "geometric" rejection sampling
 
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """What `jaxalign experiment countdown` runs."""
+    """What `jaxalign experiment countdown` runs. `arms` are `--arm` strings (`jaxalign.rl.arms`)."""
 
     arms: tuple[str, ...] = ("aligned", "misaligned")
     seeds: tuple[int, ...] = (0,)
@@ -47,43 +48,71 @@ class ExperimentConfig:
     rs: tuple[str, ...] = DEFAULT_RS
     eval_every: int = 5
     eval_problems: int = 64
+    problem_count: tuple[int, int] = (3, 3)
+    max_target: int = 99
     sft: SFTConfig = SFTConfig()
     trainer_mesh: str = ""  # e.g. "data=2,expert=2,tensor=2"; "" = one device
     engine_mesh: str = ""
 
     def __post_init__(self):
-        unknown = [a for a in self.arms if a not in ARMS]
-        if unknown or not self.arms:
-            raise ValueError(f"arms {list(self.arms)}; allowed: {', '.join(ARMS)}")
+        parse_arms(self.arms)
         if not self.seeds:
             raise ValueError("at least one seed is needed")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds {list(self.seeds)} repeat a seed (two runs would share a directory)")
+        CorrectionConfig(is_threshold=self.is_threshold, rs=tuple(self.rs))
+        self.task()
+
+    def parsed_arms(self) -> tuple[Arm, ...]:
+        """The arms, parsed."""
+        return parse_arms(self.arms)
+
+    def task(self) -> CountdownTask:
+        """The Countdown task every arm trains on."""
+        return CountdownTask(count=tuple(self.problem_count), max_target=self.max_target,
+                             eval_size=self.eval_problems)
 
 
-def run_config(exp: ExperimentConfig, arm: str, seed: int) -> RLConfig:
-    """The RLConfig of one arm and seed: identical across arms except the two policies."""
+def run_config(exp: ExperimentConfig, arm: Arm, seed: int) -> RLConfig:
+    """The RLConfig of one arm and seed: identical across arms except what the arm names (policies, correction,
+    replay)."""
     from jaxalign.rl.grpo import GRPOConfig
-    trainer, engine = ARMS[arm]
-    return RLConfig(trainer_policy=trainer, engine_policy=engine, steps=exp.steps,
-                    prompts_per_step=exp.prompts_per_step, max_new_tokens=exp.max_new_tokens,
-                    learning_rate=exp.learning_rate, grpo=GRPOConfig(group_size=exp.group_size),
-                    correction=CorrectionConfig(is_threshold=exp.is_threshold, rs=tuple(exp.rs)), seed=seed,
-                    eval_every=exp.eval_every, eval_problems=exp.eval_problems,
+    default = CorrectionConfig(is_threshold=exp.is_threshold, rs=tuple(exp.rs))
+    return RLConfig(**arm.settings(default), steps=exp.steps, prompts_per_step=exp.prompts_per_step,
+                    max_new_tokens=exp.max_new_tokens, learning_rate=exp.learning_rate,
+                    grpo=GRPOConfig(group_size=exp.group_size), seed=seed, eval_every=exp.eval_every,
+                    eval_problems=exp.eval_problems, problem_count=tuple(exp.problem_count),
                     checkpoint_every=max(1, exp.steps // 3), trainer_mesh=exp.trainer_mesh,
                     engine_mesh=exp.engine_mesh)
 
 
-def run_experiment(exp: ExperimentConfig, out_dir: str, *, progress: bool = True) -> dict:
-    """Run every arm and seed (resuming finished or interrupted runs), then write the summary and plots."""
-    os.makedirs(out_dir, exist_ok=True)
+def experiment_record(exp: ExperimentConfig) -> dict:
+    """What the experiment directory's `run.json` holds (settings, build, host)."""
+    return rundir.make_record({"experiment": dataclasses.asdict(exp)})
+
+
+def run_arms(exp: ExperimentConfig, out_dir: str, *, progress: bool = True, what: str = "experiment") -> dict:
+    """Run (or resume) every arm and seed; {(arm name, seed): metrics rows}. A directory holding another
+    configuration's experiment is refused before anything runs."""
+    from tqdm import tqdm
+
+    rundir.claim(out_dir, experiment_record(exp), what=what)
     model_config = ModelConfig.preset(exp.model)
     base = warm_start(model_config, exp.sft, os.path.join(out_dir, "cache"), progress=progress)
-    base_state = _snapshot(base)
+    task = exp.task()
+    jobs = [(arm, seed) for arm in exp.parsed_arms() for seed in exp.seeds]
     runs = {}
-    for arm in exp.arms:
-        for seed in exp.seeds:
-            _restore(base, base_state)  # every arm and seed starts from the same warm start
-            trainer = Trainer(base, run_config(exp, arm, seed), os.path.join(out_dir, arm, f"seed{seed}"))
-            runs[(arm, seed)] = trainer.run(progress=progress)
+    for arm, seed in tqdm(jobs, desc="runs", disable=not progress or len(jobs) == 1):
+        # the trainer copies the model: every arm and seed starts from the same warm start
+        trainer = Trainer(base, run_config(exp, arm, seed), os.path.join(out_dir, arm.name, f"seed{seed}"),
+                          task=task)
+        runs[(arm.name, seed)] = trainer.run(progress=progress)
+    return runs
+
+
+def run_experiment(exp: ExperimentConfig, out_dir: str, *, progress: bool = True) -> dict:
+    """Run every arm and seed (resuming finished or interrupted runs), then write the summary and plots."""
+    runs = run_arms(exp, out_dir, progress=progress)
     summary = summarize(runs, exp)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -93,45 +122,46 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, *, progress: bool = True
     return summary
 
 
-def _snapshot(model):
-    from flax import nnx
-    import jax
-    return jax.tree.map(lambda x: x, nnx.state(model))
-
-
-def _restore(model, state):
-    from flax import nnx
-    nnx.update(model, state)
+def seed_summary(rows: list[dict]) -> dict:
+    """One run's figures: warm-start / final / peak held-out reward and the rise (final - warm start), the
+    sampled training reward over the first and last fifth of the steps, mean KL / k3, largest |dlogp|, rejected
+    fraction, route flip rate, mean gradient norm and the number of steps with a nonzero trainer-engine KL."""
+    evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
+    steps = [r for r in rows if r["step"] > 0 and "rollout_corr/kl" in r]
+    fifth = max(1, len(steps) // 5)
+    return {
+        "warm_start_reward": evals[0], "final_reward": evals[-1], "peak_reward": max(evals),
+        "rise": evals[-1] - evals[0],
+        "train_reward_start": float(np.mean([r["reward_mean"] for r in steps[:fifth]])),
+        "train_reward_end": float(np.mean([r["reward_mean"] for r in steps[-fifth:]])),
+        "mean_kl": float(np.mean([r["rollout_corr/kl"] for r in steps])),
+        "mean_k3": float(np.mean([r["rollout_corr/k3_kl"] for r in steps])),
+        "max_abs_logp_diff": float(np.max([r["rollout_corr/max_abs_logp_diff"] for r in steps])),
+        "rejected_fraction": float(np.mean([r["rollout_corr/rollout_rs_masked_fraction"] for r in steps])),
+        "route_flip_rate": float(np.mean([r["route_flip_rate"] for r in steps])),
+        "mean_grad_norm": float(np.mean([r["grad_norm"] for r in steps])),
+        "steps_with_nonzero_kl": int(sum(r["rollout_corr/k3_kl"] != 0 or r["rollout_corr/kl"] != 0 for r in steps)),
+    }
 
 
 def summarize(runs: dict, exp: ExperimentConfig) -> dict:
-    """Per arm: final and peak held-out reward, mean KL / k3, rejected fraction and route flip rate (means over
-    seeds), plus the warm-start reward."""
+    """Per arm: `seed_summary`'s figures as means over seeds, with `<key>_std` (sample std over seeds; 0 for one
+    seed) for the held-out rewards and the rise, and the per-seed figures."""
     arms = {}
-    for arm in exp.arms:
-        per_seed = []
-        for seed in exp.seeds:
-            rows = runs[(arm, seed)]
-            evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
-            steps = [r for r in rows if r["step"] > 0 and "rollout_corr/kl" in r]
-            per_seed.append({
-                "seed": seed, "warm_start_reward": evals[0], "final_reward": evals[-1], "peak_reward": max(evals),
-                "mean_kl": float(np.mean([r["rollout_corr/kl"] for r in steps])),
-                "mean_k3": float(np.mean([r["rollout_corr/k3_kl"] for r in steps])),
-                "max_abs_logp_diff": float(np.max([r["rollout_corr/max_abs_logp_diff"] for r in steps])),
-                "rejected_fraction": float(np.mean([r["rollout_corr/rollout_rs_masked_fraction"] for r in steps])),
-                "route_flip_rate": float(np.mean([r["route_flip_rate"] for r in steps])),
-                "steps_with_nonzero_kl": int(sum(r["rollout_corr/k3_kl"] != 0 or r["rollout_corr/kl"] != 0
-                                                 for r in steps)),
-            })
+    for spec in exp.parsed_arms():
+        per_seed = [{"seed": seed, **seed_summary(runs[(spec.name, seed)])} for seed in exp.seeds]
         keys = [k for k in per_seed[0] if k != "seed"]
-        arms[arm] = {"policies": dict(zip(("trainer", "engine"), ARMS[arm])),
-                     **{k: float(np.mean([s[k] for s in per_seed])) for k in keys}, "per_seed": per_seed}
+        spread = {f"{k}_std": float(np.std([s[k] for s in per_seed], ddof=1)) if len(per_seed) > 1 else 0.0
+                  for k in ("warm_start_reward", "final_reward", "peak_reward", "rise")}
+        arms[spec.name] = {"policies": {"trainer": spec.trainer, "engine": spec.engine}, "spec": spec.spec(),
+                           **{k: float(np.mean([s[k] for s in per_seed])) for k in keys}, **spread,
+                           "per_seed": per_seed}
     return {"config": json.loads(json.dumps(dataclasses.asdict(exp))), "arms": arms}
 
 
-SUMMARY_COLUMNS = ["arm", "warm_start_reward", "final_reward", "peak_reward", "mean_kl", "mean_k3",
-                   "max_abs_logp_diff", "rejected_fraction", "route_flip_rate", "steps_with_nonzero_kl"]
+SUMMARY_COLUMNS = ["arm", "warm_start_reward", "final_reward", "final_reward_std", "peak_reward", "rise", "rise_std",
+                   "train_reward_start", "train_reward_end", "mean_kl", "mean_k3", "max_abs_logp_diff",
+                   "rejected_fraction", "route_flip_rate", "steps_with_nonzero_kl"]
 
 
 def summary_markdown(summary: dict) -> str:
@@ -140,7 +170,7 @@ def summary_markdown(summary: dict) -> str:
     head = "| " + " | ".join(SUMMARY_COLUMNS) + " |\n|" + "---|" * len(SUMMARY_COLUMNS) + "\n"
     body = "".join("| " + " | ".join(report.fmt(r.get(c)) for c in SUMMARY_COLUMNS) + " |\n" for r in rows)
     cfg = summary["config"]
-    return (f"# Countdown: aligned vs misaligned\n\n{cfg['steps']} steps, seeds {cfg['seeds']}, "
+    return (f"# Countdown: {', '.join(summary['arms'])}\n\n{cfg['steps']} steps, seeds {cfg['seeds']}, "
             f"{cfg['prompts_per_step']} problems x {cfg['group_size']} samples per step, model `{cfg['model']}`. "
             f"Rewards are greedy held-out rewards on {cfg['eval_problems']} problems; KL / k3 / rejected "
             f"fraction are means over steps and seeds.\n\n" + head + body)
@@ -156,6 +186,7 @@ def plot(runs: dict, out_dir: str) -> list[str]:
               ("k3.png", "trainer-engine k3", "rollout_corr/k3_kl"),
               ("rejected.png", "rejected token fraction", "rollout_corr/rollout_rs_masked_fraction")]
     paths = []
+    colors = {arm: f"C{i}" for i, arm in enumerate(dict.fromkeys(arm for arm, _ in runs))}
     for name, title, key in panels:
         fig = Figure(figsize=(6, 3.5))
         ax = fig.subplots()
@@ -163,7 +194,7 @@ def plot(runs: dict, out_dir: str) -> list[str]:
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:
                 ax.plot(*zip(*pts), marker="o", markersize=3, label=f"{arm} seed {seed}",
-                        color="tab:blue" if arm == "aligned" else "tab:red", alpha=0.8)
+                        color=colors[arm], alpha=0.8)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.legend(fontsize=7)

@@ -1,10 +1,19 @@
-"""The RL trainer: GRPO on Countdown with the rollout engine under one policy and the trainer under another.
+"""The RL trainer: GRPO on a `Task` (Countdown by default) with the rollout engine under one policy and the
+trainer under another.
 
-One step: sample a batch of problems (deterministic in (seed, step)), generate G completions each with the
-engine, score them, compute the trainer's logprobs of the same tokens (the old-policy pass), apply verl-style
-rollout correction, take one AdamW step on the PPO-clip loss, sync the engine's weights. Checkpoints (orbax)
-every N steps resume exactly; metrics go to JSONL and TensorBoard; a non-finite loss stops the run with a
-resumable checkpoint.
+The parts, each replaceable on its own:
+- `collect` (engine -> reward -> old-policy pass -> rollout correction): items for the step (deterministic in
+  (seed, step)), G completions each from the engine, their rewards, the trainer's logprobs of the same tokens,
+  verl-style correction; returns a `TrainBatch` and the step's metrics.
+- `make_update`: the pure update `(params, opt_state, batch) -> (params, opt_state, metrics)` (one AdamW step on
+  the PPO-clip loss), jitted by the trainer.
+- `Trainer.run`: a thin loop -- collect, update, sync the engine, send the row to the sinks (`metrics.jsonl`,
+  TensorBoard, the progress bar), checkpoint.
+
+The trainer works on its own copy of the model (LoRA adapters are added to the copy; the caller's model is never
+changed). A run directory records its settings, build and host (`rundir`): another configuration on the same
+directory is refused, and after a kill the same command resumes with every metrics row exactly once. Checkpoints
+(orbax) every N steps resume exactly; a non-finite loss stops the run with a resumable checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import dataclasses
 import json
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +41,13 @@ from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.collectives import replicate
 from jaxalign.numerics.optimizer import adamw
 from jaxalign.numerics.reduce import global_norm
-from jaxalign.rl import countdown, tokenizer
+from jaxalign.rl import rundir, tokenizer
 from jaxalign.rl.correction import CorrectionConfig, correct
 from jaxalign.rl.grpo import GRPOConfig, group_advantages, policy_loss
+from jaxalign.rl.task import PROMPT_WIDTH, CountdownTask, Task  # noqa: F401  (PROMPT_WIDTH: used by sft)
 
 MODES = ("decoupled", "bypass")
 REPLAYS = ("none", "r2", "r3")
-PROMPT_WIDTH = 24  # every Countdown prompt (<bos> + up to 4 numbers + target) fits; keeps trainer shapes fixed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,25 +139,69 @@ def pad_to(array: np.ndarray, width: int, axis: int, value) -> np.ndarray:
     return np.pad(array, pad, constant_values=value)
 
 
-def rewards_of(rollout, problems: list[countdown.Problem]) -> tuple[np.ndarray, list[str]]:
-    """Countdown reward of each completion (the prompt ends with the opening <answer> tag)."""
-    texts = [tokenizer.decode(rollout.completion(i)) for i in range(len(rollout))]
-    rewards = np.array([countdown.score(p.numbers, p.target, "<answer>" + t) for p, t in zip(problems, texts)],
-                       np.float32)
-    return rewards, texts
+def rewards_of(rollout, items: list, task: Task) -> np.ndarray:
+    """The task's reward of each completion, float32 [R]."""
+    return np.array([task.reward(item, rollout.completion(i)) for i, item in enumerate(items)], np.float32)
+
+
+class TrainBatch(NamedTuple):
+    """One update's inputs (a pytree; per-token arrays are [B, width-1], tokens [B, width]).
+
+    `logp_old` is the PPO ratio's denominator (the trainer's old-policy logprobs, or the engine's in bypass mode);
+    `weights` the rollout-correction IS weights and `mask` the accepted completion tokens; `replay` the routing
+    the trainer's forward pass replays (None: its own router); `logp_ref` the frozen reference's logprobs for the
+    KL penalty (None without one)."""
+
+    tokens: np.ndarray
+    logp_old: np.ndarray
+    advantages: np.ndarray
+    weights: np.ndarray
+    mask: np.ndarray
+    replay: np.ndarray | None = None
+    logp_ref: np.ndarray | None = None
+
+
+def make_update(graphdef, policy: NumericPolicy, optimizer: optax.GradientTransformation, config: RLConfig):
+    """The pure update `(params, opt_state, batch) -> (params, opt_state, metrics)`: one optimizer step on the
+    PPO-clip loss of `batch` (a `TrainBatch`); metrics are `loss`, `grad_norm` and `policy_loss`'s statistics.
+    Under `cross_device=ordered` the loss and the clipping norm are summed on one device, in one-device order."""
+    ordered = policy.cross_device == "ordered"
+
+    def update(params, opt_state, batch: TrainBatch):
+        def loss_fn(p):
+            lp, _ = sequence_logprobs(nnx.merge(graphdef, p), batch.tokens, policy, replay=batch.replay,
+                                      temperature=config.temperature)
+            per_token = (lp, batch.logp_old, batch.advantages, batch.weights, batch.mask, batch.logp_ref)
+            if ordered:  # the loss sums over the whole batch: on one device, in the one-device order
+                per_token = replicate(per_token)
+            return policy_loss(*per_token[:5], config.grpo, logp_ref=per_token[5], policy=policy)
+
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        if ordered:  # the clipping norm sums over every (sharded) gradient: replicated, it sums in one place
+            grads, params, opt_state = replicate((grads, params, opt_state))
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics = {"loss": loss, "grad_norm": global_norm(grads, policy), **stats}
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    return update
 
 
 class Trainer:
-    """Runs GRPO for `config.steps` steps from `model`'s weights, writing into `run_dir`."""
+    """Runs GRPO for `config.steps` steps from a copy of `model`'s weights on `task` (default: Countdown from
+    the config's `problem_count` / `eval_problems`), writing into `run_dir`."""
 
-    def __init__(self, model: Transformer, config: RLConfig, run_dir: str):
+    def __init__(self, model: Transformer, config: RLConfig, run_dir: str, task: Task | None = None):
         if model.config.vocab_size < tokenizer.VOCAB_SIZE:
             raise ValueError(f"model vocab_size {model.config.vocab_size} < tokenizer vocab {tokenizer.VOCAB_SIZE}")
-        self.model, self.config, self.run_dir = model, config, run_dir
+        self.config, self.run_dir = config, run_dir
+        self.task = task or CountdownTask(count=tuple(config.problem_count), eval_size=config.eval_problems)
+        start_weights = rundir.weights_fingerprint(nnx.state(model))
+        model = nnx.clone(model)  # the trainer's own copy: LoRA and updates never touch the caller's model
         if config.lora_rank:
             from jaxalign.model.lora import add_lora, has_lora
             if not has_lora(model):
                 add_lora(model, config.lora_rank, config.lora_alpha, config.lora_targets, seed=config.seed)
+        self.model = model
         self.trainer_policy = NumericPolicy.parse(config.trainer_policy)
         self.mesh = make_mesh(config.trainer_mesh) if config.trainer_mesh else None
         engine_devices = jax.local_devices() if jax.process_count() > 1 else None
@@ -162,14 +216,18 @@ class Trainer:
         self.optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip,
                                         lora_only=bool(config.lora_rank), policy=self.trainer_policy)
         self.opt_state = self._shard_opt_state(self.optimizer.init(self.params))
-        self.width = PROMPT_WIDTH + config.max_new_tokens
+        self.width = self.task.prompt_width + config.max_new_tokens
         self.step = 0
+        from jaxalign.distributed import is_primary
+        self.primary = is_primary()  # with several processes, one writes the run's files
+        if self.primary:  # refuse a directory holding another configuration's run before touching it
+            rundir.claim(run_dir, rundir.make_record({"rl": config.to_dict(), "task": self.task.describe()},
+                                                     start_weights))
         os.makedirs(run_dir, exist_ok=True)
         self.checkpoints = ocp.CheckpointManager(
             os.path.abspath(os.path.join(run_dir, "checkpoints")),
             options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-        self.eval_problems = countdown.generate_problems(config.eval_problems, seed=1_000_003 + config.seed,
-                                                         count=config.problem_count)
+        self.eval_items = self.task.eval_items(config.seed)
         self._update = self._compile_update()
 
     # --- placement ------------------------------------------------------------------------------------------
@@ -211,56 +269,32 @@ class Trainer:
         self.engine.sync_weights(self.model)
         return True
 
-    # --- one update -----------------------------------------------------------------------------------------
-    def _update_fn(self, params, opt_state, tokens, replay, logp_old, advantages, weights, mask, logp_ref):
-        cfg = self.config
-
-        ordered = self.trainer_policy.cross_device == "ordered"
-
-        def loss_fn(p):
-            lp, _ = sequence_logprobs(nnx.merge(self.graphdef, p), tokens, self.trainer_policy, replay=replay,
-                                      temperature=cfg.temperature)
-            per_token = (lp, logp_old, advantages, weights, mask, logp_ref)
-            if ordered:  # the loss sums over the whole batch: on one device, in the one-device order
-                per_token = replicate(per_token)
-            return policy_loss(*per_token[:5], cfg.grpo, logp_ref=per_token[5], policy=self.trainer_policy)
-
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        if ordered:  # the clipping norm sums over every (sharded) gradient: replicated, it sums in one place
-            grads, params, opt_state = replicate((grads, params, opt_state))
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, stats, global_norm(grads, self.trainer_policy)
-
+    # --- the update -----------------------------------------------------------------------------------------
     def _compile_update(self):
         """The jitted update; on a mesh its outputs keep the parameters' and optimizer state's placement."""
+        update = make_update(self.graphdef, self.trainer_policy, self.optimizer, self.config)
         if self.mesh is None:
-            return jax.jit(self._update_fn)
+            return jax.jit(update)
         shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
-        return jax.jit(self._update_fn, out_shardings=(shardings(self.params), shardings(self.opt_state),
-                                                       None, None, None))
+        return jax.jit(update, out_shardings=(shardings(self.params), shardings(self.opt_state), None))
 
-    def _apply_update(self, *batch):
-        """Run the update on (params, opt_state, *batch) on the trainer's mesh (rows of the batch split)."""
+    def _apply_update(self, batch: TrainBatch):
+        """Run the update on the trainer's mesh (rows of the batch split)."""
         if self.mesh is None:
-            return self._update(self.params, self.opt_state, *(None if b is None else jnp.asarray(b) for b in batch))
+            return self._update(self.params, self.opt_state, jax.tree.map(jnp.asarray, batch))
         with mesh_context(self.mesh):
-            return self._update(self.params, self.opt_state,
-                                *(None if b is None else put_batch(b, self.mesh) for b in batch))
+            return self._update(self.params, self.opt_state, jax.tree.map(lambda b: put_batch(b, self.mesh), batch))
 
-    def _problems(self, step: int) -> list[countdown.Problem]:
-        return countdown.generate_problems(self.config.prompts_per_step, seed=self.config.seed * 100_003 + step,
-                                           count=self.config.problem_count)
-
-    def train_step(self) -> dict:
-        """One GRPO step; returns its metrics."""
+    # --- collect --------------------------------------------------------------------------------------------
+    def collect(self) -> tuple[TrainBatch, dict]:
+        """Engine -> reward -> old-policy pass -> rollout correction for the current step: the update's batch
+        and the step's rollout metrics."""
         cfg, g = self.config, self.config.grpo.group_size
-        start = time.perf_counter()
-        problems = [p for p in self._problems(self.step) for _ in range(g)]
-        prompts = [tokenizer.encode(p.prompt(), bos=True) for p in problems]
-        rollout = self.engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                       eos_id=tokenizer.EOS, seed=cfg.seed * 1_000_003 + self.step,
-                                       batch_size=cfg.engine_batch)
-        rewards, _ = rewards_of(rollout, problems)
+        items = [p for p in self.task.train_items(self.step, cfg.prompts_per_step, cfg.seed) for _ in range(g)]
+        rollout = self.engine.generate([self.task.prompt(p) for p in items], max_new_tokens=cfg.max_new_tokens,
+                                       temperature=cfg.temperature, eos_id=tokenizer.EOS,
+                                       seed=cfg.seed * 1_000_003 + self.step, batch_size=cfg.engine_batch)
+        rewards = rewards_of(rollout, items, self.task)
         advantages = group_advantages(rewards, g)
         tokens = pad_to(rollout.tokens, self.width, 1, tokenizer.PAD)
         logp_rollout = pad_to(rollout.logprobs, self.width - 1, 1, 0.0)
@@ -280,10 +314,20 @@ class Trainer:
                                               temperature=cfg.temperature, replay=replay, mesh=self.mesh)[0])
         forwarded = (engine_routes >= 0).all(-1).all(-1)
         flips = routing_metrics(engine_routes, old_indices, valid=forwarded)
-        params, opt_state, loss, stats, gnorm = self._apply_update(
-            tokens, replay, np.asarray(logp_behaviour, np.float32), np.asarray(advantages), np.asarray(weights),
-            np.asarray(accept), logp_ref)
-        loss, gnorm = float(loss), float(gnorm)
+        batch = TrainBatch(tokens=tokens, logp_old=np.asarray(logp_behaviour, np.float32),
+                           advantages=np.asarray(advantages), weights=np.asarray(weights), mask=np.asarray(accept),
+                           replay=replay, logp_ref=logp_ref)
+        metrics = {"reward_mean": float(rewards.mean()), "reward_correct_fraction": float((rewards == 1.0).mean()),
+                   "response_length": float(rollout.completion_lens.mean()), **corr_metrics,
+                   "route_flip_rate": flips["route_flip_rate"],
+                   "route_token_any_flip": flips["route_token_any_flip"]}
+        return batch, metrics
+
+    def train_step(self) -> dict:
+        """One GRPO step (collect, update, sync the engine); returns its metrics row."""
+        batch, rollout_metrics = self.collect()
+        params, opt_state, update_metrics = self._apply_update(batch)
+        loss, gnorm = float(update_metrics["loss"]), float(update_metrics["grad_norm"])
         if not (np.isfinite(loss) and np.isfinite(gnorm)):
             if self.checkpoints.latest_step() != self.step:
                 self.save()  # the state before this update: resumable
@@ -294,67 +338,68 @@ class Trainer:
         nnx.update(self.model, self.params)
         self.engine.sync_weights(self.model)
         self.step += 1
-        return {"step": self.step, "reward_mean": float(rewards.mean()),
-                "reward_correct_fraction": float((rewards == 1.0).mean()),
-                "response_length": float(rollout.completion_lens.mean()), "loss": loss, "grad_norm": gnorm,
-                **{k: float(v) for k, v in stats.items()}, **corr_metrics,
-                "route_flip_rate": flips["route_flip_rate"], "route_token_any_flip": flips["route_token_any_flip"],
-                "seconds": time.perf_counter() - start}
+        stats = {k: float(v) for k, v in update_metrics.items() if k not in ("loss", "grad_norm")}
+        return {"step": self.step, **{k: rollout_metrics[k] for k in ("reward_mean", "reward_correct_fraction",
+                                                                       "response_length")},
+                "loss": loss, "grad_norm": gnorm, **stats,
+                **{k: v for k, v in rollout_metrics.items() if k.startswith("rollout_corr/")},
+                "route_flip_rate": rollout_metrics["route_flip_rate"],
+                "route_token_any_flip": rollout_metrics["route_token_any_flip"]}
 
     def evaluate(self) -> float:
-        """Mean reward of greedy completions on the held-out problems."""
-        prompts = [tokenizer.encode(p.prompt(), bos=True) for p in self.eval_problems]
-        rollout = self.engine.generate(prompts, max_new_tokens=self.config.max_new_tokens, temperature=0.0,
+        """Mean reward of greedy completions on the held-out items."""
+        rollout = self.engine.generate([self.task.prompt(p) for p in self.eval_items],
+                                       max_new_tokens=self.config.max_new_tokens, temperature=0.0,
                                        eos_id=tokenizer.EOS, batch_size=self.config.engine_batch)
-        return float(rewards_of(rollout, self.eval_problems)[0].mean())
+        return float(rewards_of(rollout, self.eval_items, self.task).mean())
 
     # --- the loop -------------------------------------------------------------------------------------------
     def run(self, *, resume: bool = True, progress: bool = True, stop_after: int | None = None) -> list[dict]:
         """Train to `config.steps` (or stop after `stop_after` more steps, to test resumption); returns all
-        metrics rows of the run (including those before a resume)."""
+        metrics rows of the run (including those before a resume). Each row reaches `metrics.jsonl` (fsynced)
+        before the step's checkpoint, so a killed run resumes with every row exactly once."""
         from tensorboardX import SummaryWriter
         from tqdm import tqdm
 
-        from jaxalign.distributed import is_primary
-
         if resume:
             self.restore_latest()
-        primary = is_primary()  # with several processes, one writes the metrics, config and TensorBoard files
-        progress = progress and primary
-        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-        rows = []
-        if os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                rows = [r for r in map(json.loads, f) if r["step"] <= self.step]
-        if primary:
-            with open(os.path.join(self.run_dir, "config.json"), "w") as f:
-                json.dump(self.config.to_dict(), f, indent=2)
-        writer = SummaryWriter(os.path.join(self.run_dir, "tb")) if primary else None
+        log = rundir.MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"), writer=self.primary)
+        rows = log.resume(self.step)
+        if jax.process_count() > 1:  # every process continues from the same rows
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"metrics resumed at step {self.step}")
+        writer = SummaryWriter(os.path.join(self.run_dir, "tb")) if self.primary else None
+        timing = os.path.join(self.run_dir, "timing.jsonl")
+
+        def emit(row: dict, seconds: float) -> None:
+            rows.append(row)
+            log.append(row)
+            if writer is not None:
+                for key, value in row.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        writer.add_scalar(key, value, row["step"])
+                with open(timing, "a") as f:
+                    f.write(json.dumps({"step": row["step"], "seconds": seconds}) + "\n")
+
         if self.step == 0 and not rows:
-            rows.append({"step": 0, "eval_reward": self.evaluate()})
+            start = time.perf_counter()
+            emit({"step": 0, "eval_reward": self.evaluate()}, time.perf_counter() - start)
         last = self.config.steps if stop_after is None else min(self.config.steps, self.step + stop_after)
-        bar = tqdm(total=last, initial=self.step, desc=os.path.basename(self.run_dir), disable=not progress)
+        bar = tqdm(total=last, initial=self.step, desc=os.path.basename(self.run_dir),
+                   disable=not (progress and self.primary))
         try:
             while self.step < last:
+                start = time.perf_counter()
                 row = self.train_step()
                 if self.step % self.config.eval_every == 0 or self.step == self.config.steps:
                     row["eval_reward"] = self.evaluate()
-                rows.append(row)
-                for key, value in row.items():
-                    if writer is not None and key != "step" and isinstance(value, (int, float)):
-                        writer.add_scalar(key, value, self.step)
+                emit(row, time.perf_counter() - start)
                 if self.step % self.config.checkpoint_every == 0 or self.step == last:
                     self.save()
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", kl=f"{row['rollout_corr/kl']:.1e}")
         finally:
             bar.close()
-            if primary:
+            if writer is not None:
                 writer.close()
-                with open(metrics_path, "w") as f:
-                    for r in rows:
-                        f.write(json.dumps(r) + "\n")
-            if jax.process_count() > 1:  # the others may read these files next (a resumed run)
-                from jax.experimental import multihost_utils
-                multihost_utils.sync_global_devices(f"metrics written at step {self.step}")
         return rows

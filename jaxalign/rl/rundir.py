@@ -1,0 +1,174 @@
+"""Run directories you can trust: what produced a run is recorded, and metrics survive a SIGKILL.
+
+`claim(run_dir, record)` writes `run.json` -- the run's settings, the code fingerprint (`sft.code_fingerprint`:
+jaxalign's source and the JAX/jaxlib versions), a hash of the starting weights and the host (backend, versions,
+CPU model and the instruction set XLA:CPU generates code for). On a directory that already has one it compares:
+other settings, another build or other starting weights refuse with an error that lists every difference (the
+old run's numbers are never reported as the new run's); another host only warns, naming what differs, because
+the float bits of a resumed run may then depend on where each part ran.
+
+`MetricsLog` appends one JSON line per step and fsyncs it before the step's checkpoint is written; on resume it
+keeps exactly the rows up to the restored step (dropping rows of steps that will be recomputed and a torn last
+line) and rewrites the file atomically. So after a SIGKILL at any moment, running the same command again leaves
+every step exactly once, and the file is byte-identical to an uninterrupted run's (wall-clock times go to
+`timing.jsonl`, which is not part of that promise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import warnings
+
+import numpy as np
+
+RUN_FILE = "run.json"
+_RECORD_KEYS = ("settings", "code", "start_weights")  # must match to continue a run
+_ISA_ORDER = (("avx512f", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4_2"))
+
+
+class RunMismatch(ValueError):
+    """An existing run directory was produced by other settings, another build or other starting weights."""
+
+
+def effective_isa(flags: str | None = None, cpu_flags: set[str] | None = None) -> str:
+    """The instruction set XLA:CPU generates code for: `--xla_cpu_max_isa` from XLA_FLAGS when set, else the
+    widest of AVX512/AVX2/AVX/SSE4_2 this CPU reports (or the machine name where /proc/cpuinfo is missing)."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    found = re.findall(r"--xla_cpu_max_isa=(\S+)", flags)
+    if found:
+        return f"{found[-1].upper()} (XLA_FLAGS)"
+    cpu_flags = _cpu_info()[1] if cpu_flags is None else cpu_flags
+    for flag, name in _ISA_ORDER:
+        if flag in cpu_flags:
+            return name
+    return platform.machine()
+
+
+def _cpu_info() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def host_info() -> dict:
+    """Backend, device kind, jax/jaxlib versions, CPU model and effective ISA of this process."""
+    import jax
+    import jaxlib
+    return {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+            "device_count": jax.device_count(), "process_count": jax.process_count(), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "cpu": _cpu_info()[0], "isa": effective_isa()}
+
+
+def weights_fingerprint(tree) -> str:
+    """A hash of every leaf's dtype, shape and bytes (in tree order); 'multi-process' where leaves are not all
+    on this host."""
+    import jax
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        if not getattr(leaf, "is_fully_addressable", True):
+            return "multi-process"
+        array = np.asarray(leaf)
+        digest.update(f"{array.dtype}{array.shape}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def make_record(settings: dict, start_weights: str = "") -> dict:
+    """What `run.json` holds for a run with these (JSON-ready) settings."""
+    from jaxalign.rl.sft import code_fingerprint
+    return {"settings": json.loads(json.dumps(settings)), "code": code_fingerprint(),
+            "start_weights": start_weights, "host": host_info()}
+
+
+def _differences(old, new, prefix="") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if key not in old:
+                out.append(f"{name}: (absent) -> {new[key]!r}")
+            elif key not in new:
+                out.append(f"{name}: {old[key]!r} -> (absent)")
+            else:
+                out.extend(_differences(old[key], new[key], name))
+        return out
+    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
+
+
+def claim(run_dir: str, record: dict, *, what: str = "run", write: bool = True) -> None:
+    """Record `record` in `run_dir/run.json`, or check it against the one there (see the module docstring).
+    A directory with results but no `run.json` is refused too (its provenance is unknown)."""
+    path = os.path.join(run_dir, RUN_FILE)
+    if not os.path.exists(path):
+        leftovers = [n for n in ("metrics.jsonl", "checkpoints", "summary.json") if os.path.exists(
+            os.path.join(run_dir, n))]
+        if leftovers:
+            raise RunMismatch(f"{run_dir} holds results ({', '.join(leftovers)}) but no {RUN_FILE}: they cannot be "
+                              f"attributed to these settings; choose a new output directory")
+        if write:
+            os.makedirs(run_dir, exist_ok=True)
+            _write_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+        return
+    with open(path) as f:
+        old = json.load(f)
+    diffs = [d for key in _RECORD_KEYS for d in _differences(old.get(key), record.get(key), key)]
+    if diffs:
+        raise RunMismatch(f"{run_dir} holds a {what} made with other settings or another build, which this "
+                          f"command would report as its own; it differs in:\n  " + "\n  ".join(diffs) +
+                          "\nchoose a new output directory (or delete this one) to run these settings")
+    host_diffs = _differences(old.get("host"), record.get("host"), "host")
+    if host_diffs:
+        warnings.warn(f"{run_dir}: resuming a {what} started on another host ({'; '.join(host_diffs)}); steps "
+                      f"after the resume ran here, so the run's bits may depend on both", stacklevel=2)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one line per step, durable before the step's checkpoint (see the module docstring)."""
+
+    def __init__(self, path: str, writer: bool = True):
+        self.path, self.writer = path, writer
+
+    def resume(self, step: int) -> list[dict]:
+        """Rows of steps <= `step` (the restored checkpoint's); the file is rewritten to hold exactly those."""
+        lines = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    if not line.endswith("\n"):
+                        break  # torn by a kill mid-write: that step is recomputed
+                    if json.loads(line)["step"] <= step:
+                        lines.append(line)
+        if self.writer:
+            _write_atomic(self.path, "".join(lines))
+        return [json.loads(line) for line in lines]
+
+    def append(self, row: dict) -> None:
+        """Write one row and make it durable."""
+        if not self.writer:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,144 @@
+"""Runs you can trust and arms as data, without training: run directories record and check what produced them,
+metrics survive a kill, and `--arm` strings parse into arms that differ only in what they name."""
+
+import dataclasses
+import json
+import os
+import subprocess
+
+import pytest
+
+from jaxalign.rl import rundir
+from jaxalign.rl.arms import Arm, correction_settings, parse_arm, parse_arms
+from jaxalign.rl.correction import CorrectionConfig
+from jaxalign.rl.experiment import ExperimentConfig, experiment_record, run_config, run_experiment
+
+
+def test_arms_parse_and_differ_only_in_what_they_name():
+    exp = ExperimentConfig()
+    base = dataclasses.asdict(run_config(exp, parse_arm("aligned"), seed=0))
+    cases = {
+        "x=aligned-bf16,kernel=xla/serve-bf16": {"trainer_policy": "aligned-bf16,kernel=xla",
+                                                 "engine_policy": "serve-bf16"},
+        "x=aligned-bf16/aligned-bf16;replay=r3": {"replay": "r3"},
+        "x=aligned-bf16/aligned-bf16,replay=r2": {"replay": "r2"},
+        "x=aligned-bf16/aligned-bf16;correction=bypass": {"mode": "bypass",
+                                                          "correction": {"is_level": "none", "rs": ()}},
+        "x=aligned-bf16/aligned-bf16;correction=none": {"correction": {"is_level": "none", "rs": ()}},
+        "x=aligned-bf16/aligned-bf16;correction=icepop:0.5_2": {"correction": {"is_threshold": "0.5_2",
+                                                                               "rs": ()}},
+        "x=aligned-bf16/aligned-bf16;correction=seq-tis:3+rs:token_k3:0.1": {
+            "correction": {"is_level": "sequence", "is_threshold": "3", "rs": ("token_k3:0.1",)}},
+    }
+    for text, named in cases.items():
+        got = dataclasses.asdict(run_config(exp, parse_arm(text), seed=0))
+        expected = json.loads(json.dumps(base))
+        for key, value in named.items():
+            if isinstance(value, dict):
+                expected[key] = {**expected[key], **value}
+            else:
+                expected[key] = value
+        assert json.loads(json.dumps(got)) == json.loads(json.dumps(expected)), text
+    # the defaults are today's arms; the canonical string parses back to the same arm
+    assert parse_arm("misaligned") == Arm("misaligned", "train-bf16", "serve-bf16")
+    for text in cases:
+        assert parse_arm(parse_arm(text).spec()) == parse_arm(text)
+
+
+def test_correction_none_ignores_the_engine_logprobs():
+    mode, cfg = correction_settings("none", CorrectionConfig(rs=("seq_mean_k1:0.999_1.001",)))
+    assert mode == "decoupled" and cfg.is_level == "none" and cfg.rs == ()
+
+
+@pytest.mark.parametrize("texts, needle", [
+    (["aligned-bf16/serve-bf16"], "does not parse"),
+    (["x=aligned-bf16"], "one '/'"),
+    (["x=aligned-bf16/serve-bf16;correction=tiss"], "unknown part 'tiss'"),
+    (["x=aligned-bf16/serve-bf16;replay=r4"], "replay 'r4'"),
+    (["x=aligned-bf16/nonsense"], "engine policy"),
+    (["x=aligned-bf16;replay=r3/serve-bf16"], "after the engine policy"),
+    (["x=aligned-bf16/serve-bf16;replay=r3,kernel=xla"], "after the arm options"),
+    (["a/b=aligned-bf16/serve-bf16"], "arm name 'a/b'"),
+    (["aligned", "aligned=fp16/fp16"], "same directory"),
+    (["Mine=fp16/fp16", "mine=fp32/fp32"], "same directory"),
+])
+def test_bad_arms_are_clear_errors(texts, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse_arms(texts)
+
+
+def test_bad_arm_on_the_command_line_fails_before_anything_runs(tmp_path):
+    out = tmp_path / "exp"
+    proc = subprocess.run(["jaxalign", "experiment", "countdown", "--arm", "x=aligned-bf16/serve-bf16;correction=tiss",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unknown part 'tiss'" in proc.stderr
+    assert not out.exists()
+
+
+def test_a_changed_setting_on_an_experiment_directory_is_refused(tmp_path):
+    out = str(tmp_path / "exp")
+    first = ExperimentConfig(steps=3)
+    rundir.claim(out, experiment_record(first), what="experiment")  # as the first run did
+    rundir.claim(out, experiment_record(first), what="experiment")  # the same command again: fine
+    with pytest.raises(rundir.RunMismatch, match=r"learning_rate: 0.0003 -> 0.123"):
+        run_experiment(dataclasses.replace(first, learning_rate=0.123), out, progress=False)
+    with pytest.raises(rundir.RunMismatch, match=r"code: 'build-a' -> "):
+        record = json.load(open(os.path.join(out, "run.json")))
+        record["code"] = "build-a"
+        json.dump(record, open(os.path.join(out, "run.json"), "w"))
+        run_experiment(first, out, progress=False)
+    assert sorted(os.listdir(out)) == ["run.json"]  # refused before any work
+
+
+def test_results_without_a_record_are_refused(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(rundir.RunMismatch, match="no run.json"):
+        rundir.claim(str(tmp_path), rundir.make_record({"a": 1}))
+
+
+def test_resuming_on_another_host_warns_naming_the_difference(tmp_path):
+    record = rundir.make_record({"a": 1})
+    rundir.claim(str(tmp_path), record)
+    other = json.loads(json.dumps(record))
+    other["host"]["isa"] = "SSE4_2 (XLA_FLAGS)"
+    with pytest.warns(UserWarning, match=r"host.isa: .*-> 'SSE4_2 \(XLA_FLAGS\)'"):
+        rundir.claim(str(tmp_path), other)
+
+
+def test_effective_isa_reads_xla_flags_then_the_cpu():
+    assert rundir.effective_isa("--xla_cpu_max_isa=avx2 --foo", set()) == "AVX2 (XLA_FLAGS)"
+    assert rundir.effective_isa("", {"sse4_2", "avx", "avx2"}) == "AVX2"
+    assert rundir.effective_isa("", {"sse4_2", "avx512f", "avx2"}) == "AVX512"
+    host = rundir.host_info()
+    assert {"backend", "jax", "jaxlib", "cpu", "isa"} <= set(host)
+
+
+def test_metrics_log_keeps_exactly_the_rows_up_to_the_restored_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = rundir.MetricsLog(str(path))
+    for step in range(4):
+        log.append({"step": step, "x": 0.1 * step})
+    with open(path, "a") as f:
+        f.write('{"step": 4, "x": 0.')  # torn by a kill
+    assert [r["step"] for r in log.resume(2)] == [0, 1, 2]
+    assert path.read_text() == "".join(json.dumps({"step": s, "x": 0.1 * s}) + "\n" for s in range(3))
+    assert [r["step"] for r in log.resume(0)] == [0]
+
+
+def test_the_gap_ladder_parses_and_names_each_arm_once():
+    from jaxalign.rl.study import LADDER, ladder_arms
+    arms = parse_arms(ladder_arms())
+    assert len(arms) == 2 * len(LADDER) - 1  # the aligned rung once: correction is a no-op there
+    assert {a.correction for a in arms} == {"none", "tis:2+rs:seq_mean_k1:0.999_1.001"}
+
+
+def test_collapse_is_a_lasting_fall_below_half_the_best_trailing_reward():
+    from jaxalign.rl.study import collapse_step
+    rise = [0.2] * 10 + [0.8] * 20
+    assert collapse_step([{"step": i + 1, "reward_mean": r} for i, r in enumerate(rise)]) is None
+    fall = rise + [0.1] * 20
+    step = collapse_step([{"step": i + 1, "reward_mean": r} for i, r in enumerate(fall)])
+    # the trailing 10-step mean first drops below 0.4 (half of 0.8) once six 0.1s are in the window
+    assert step == 30 + 6
+    dip = rise + [0.1] * 10 + [0.8] * 10  # recovered: not a collapse
+    assert collapse_step([{"step": i + 1, "reward_mean": r} for i, r in enumerate(dip)]) is None
