@@ -67,6 +67,39 @@ def _attention(p, cfg, x, pos):
     return _lin(p["o_proj"], out)
 
 
+def _rope_interleaved(x, pos, theta):
+    """DeepSeek's interleaved RoPE: pair (x[2i], x[2i+1]) rotated by frequency i; output [evens', odds']."""
+    d = x.shape[-1]
+    ang = pos[..., None].astype(np.float64) * (1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    cos, sin = np.cos(ang)[:, :, None, :], np.sin(ang)[:, :, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def _mla_attention(p, cfg, x, pos):
+    """Multi-head latent attention in its expanded form (keys and values up-projected per head)."""
+    b, s, _ = x.shape
+    h, dn, dr, dv, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = _lin(p["q_proj"], x)
+    else:
+        q = _lin(p["q_b_proj"], _rms(_lin(p["q_a_proj"], x), p["q_a_norm"]["scale"], 1e-6))
+    q = q.reshape(b, s, h, dn + dr)
+    rot = _rope_interleaved if cfg.rope_interleave else (lambda y, ps, th: _rope(y, ps, th, y.shape[-1]))
+    q = np.concatenate([q[..., :dn], rot(q[..., dn:], pos, cfg.rope_theta)], -1)
+    compressed = _lin(p["kv_a_proj"], x)
+    latent = _rms(compressed[..., :r], p["kv_a_norm"]["scale"], 1e-6)
+    k_rope = rot(compressed[..., None, r:], pos, cfg.rope_theta)  # [B, S, 1, dr]
+    kv = (latent @ p["kv_b_proj"]["w"]).reshape(b, s, h, dn + dv)
+    k = np.concatenate([kv[..., :dn], np.broadcast_to(k_rope, (b, s, h, dr))], -1)
+    v = kv[..., dn:]
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dn + dr)
+    scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return _lin(p["o_proj"], np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, -1))
+
+
 def _mlp(p, x):
     return _lin(p["down"], _silu(_lin(p["gate"], x)) * _lin(p["up"], x))
 
@@ -129,7 +162,8 @@ def forward(model, tokens, replay=None):
     routes = []
     for i in range(cfg.n_layers):
         bp = p["blocks"][i]
-        x = x + _attention(bp["attn"], cfg, _rms(x, bp["attn_norm"]["scale"], cfg.rms_eps), pos)
+        attend = _mla_attention if cfg.attention_kind == "mla" else _attention
+        x = x + attend(bp["attn"], cfg, _rms(x, bp["attn_norm"]["scale"], cfg.rms_eps), pos)
         h = _rms(x, bp["mlp_norm"]["scale"], cfg.rms_eps)
         if i in cfg.moe_layers:
             layer_replay = None if replay is None else np.asarray(replay)[:, :, len(routes)]

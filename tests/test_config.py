@@ -44,3 +44,20 @@ def test_impossible_configs_raise(change, needle):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="allowed: tiny"):
         ModelConfig.preset("huge")
+
+
+def test_mla_config_is_checked_and_gqa_fingerprints_do_not_see_it():
+    from jaxalign import ModelConfig
+    import pytest
+    cfg = ModelConfig.preset("tiny-deepseek-v3")
+    assert cfg.rotary_dim == cfg.qk_rope_head_dim and "kv_lora_rank" in cfg.to_dict()
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert "kv_lora_rank" not in ModelConfig.preset("tiny").to_dict()
+    with pytest.raises(ValueError, match="head_dim = 12; under attention_kind='mla'"):
+        cfg.replace(head_dim=12)
+    with pytest.raises(ValueError, match="n_kv_heads = 2; under attention_kind='mla'"):
+        cfg.replace(n_kv_heads=2)
+    with pytest.raises(ValueError, match="kv_lora_rank = 0"):
+        cfg.replace(kv_lora_rank=0)
+    with pytest.raises(ValueError, match="attention_kind = 'sparse'; allowed: gqa, mla"):
+        cfg.replace(attention_kind="sparse")

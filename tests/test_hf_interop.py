@@ -26,18 +26,22 @@ FAMILIES = {
     "olmoe": dict(num_experts=8, eos_token_id=None, pad_token_id=None),
     "glm4_moe": dict(n_routed_experts=8, moe_intermediate_size=16, n_group=4, topk_group=2, first_k_dense_replace=1,
                      n_shared_experts=1, routed_scaling_factor=2.5),
+    # MLA: a q bottleneck, a KV latent, interleaved rope on 8 of each head's 16 q.k dims, 4 heads with own keys
+    "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=16, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        n_shared_experts=1, routed_scaling_factor=2.5, num_key_value_heads=4, q_lora_rank=16,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
 }
 
 
 def hf_model(family: str):
     """A random-init transformers model from a local config (initializer_range 0.2: logits of scale ~1)."""
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(
-        family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts_per_tok=4,
-        initializer_range=0.2, **FAMILIES[family])
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts_per_tok=4,
+                initializer_range=0.2)
+    config = transformers.AutoConfig.for_model(family, **{**base, **FAMILIES[family]})
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    if family == "glm4_moe":
+    if family in ("glm4_moe", "deepseek_v3"):
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)  # exercise the selection-only bias
     return model
@@ -93,7 +97,7 @@ def test_fp32_logits_and_routing_match_transformers(saved):
 
 
 def test_export_round_trip_loads_in_transformers(tmp_path):
-    for preset in ("tiny-qwen3-moe", "tiny-mixtral", "tiny-glm4-moe"):
+    for preset in ("tiny-qwen3-moe", "tiny-mixtral", "tiny-glm4-moe", "tiny-deepseek-v3"):
         from conftest import build_model
         ours = build_model(preset)
         out = str(tmp_path / preset)
@@ -141,7 +145,7 @@ def test_bad_checkpoints_are_refused(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         hf.load(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="supported: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe"):
+    with pytest.raises(ValueError, match="supported: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3"):
         hf.load(str(tmp_path))
     path = _save(hf_model("mixtral"), tmp_path / "mix")
     from safetensors.torch import load_file, save_file
@@ -221,3 +225,19 @@ def test_import_hf_cli_writes_an_orbax_checkpoint(tmp_path):
     again = subprocess.run(["jaxalign", "import-hf", path, "--out", str(out)], capture_output=True, text=True,
                            timeout=600)
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_mla_checkpoint_in_both_expert_layouts(tmp_path):
+    """deepseek_v3: save_pretrained's per-expert files and the fused in-memory layout load to the same bits, and
+    hf.save writes what transformers reads back."""
+    from safetensors.torch import save_file
+    model = hf_model("deepseek_v3")
+    tokens = _tokens(2, 16)
+    reference = np.asarray(hf.load(_save(model, tmp_path / "plain"))(tokens, policy=FP32)[0])
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    state = model.state_dict()
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, str(fused / "model.safetensors"))
+    (fused / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
+    np.testing.assert_array_equal(np.asarray(hf.load(str(fused))(tokens, policy=FP32)[0]), reference)

@@ -47,3 +47,14 @@ def test_fp32_matches_reference_under_replay(preset):
                                   np.asarray(native.indices)[fallback[..., None].repeat(cfg.top_k, -1)])
     assert not np.array_equal(used, np.asarray(native.indices))
     assert _rel_err(logits, ref_logits) <= 1e-5
+
+
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_both_mla_forms_match_float64_reference(form):
+    """Absorbed MLA (the key up-projection folded into the query, attention over the latent) is the same
+    function as the expanded form: both within 1e-5 of the float64 expanded reference."""
+    model = build_model("tiny-deepseek-v3")
+    tokens = random_tokens(model.config, 2, 16, seed=3)
+    logits, _ = model(jnp.asarray(tokens), policy=NumericPolicy.parse(f"fp32,mla={form}"))
+    ref_logits, _ = reference_forward(model, tokens)
+    assert _rel_err(logits, ref_logits) <= 1e-5

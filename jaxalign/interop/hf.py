@@ -1,6 +1,7 @@
 """Hugging Face checkpoints <-> jaxalign: read and write transformers' MoE families without torch.
 
-Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe. Weights are read with safetensors'
+Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3 (multi-head latent
+attention). Weights are read with safetensors'
 numpy API (bf16 through ml_dtypes), from one file or a sharded index, in either expert layout: per expert
 (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's `w1/w3/w2`) or fused (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]). `save` writes config.json + model.safetensors in transformers' per-expert layout.
@@ -22,9 +23,10 @@ from safetensors.numpy import save_file
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.transformer import Transformer
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
 _ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-         "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+         "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+_MLA_FAMILIES = ("deepseek_v3",)
 
 
 # --- config ----------------------------------------------------------------------------------------------------
@@ -80,6 +82,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
                            norm_topk_prob=hf.get("norm_topk_prob", False), qk_norm="proj",
                            qkv_bias=hf.get("attention_bias", False))
     n_shared = hf.get("n_shared_experts") or 0
+    if model_type in _MLA_FAMILIES:
+        return _mla_config(hf, common, n_shared)
     return ModelConfig(**common, router="sigmoid_grouped", n_experts=_get(hf, "n_routed_experts", "num_local_experts", "num_experts"),
                        expert_dim=hf["moe_intermediate_size"], n_groups=hf.get("n_group", 1),
                        topk_groups=hf.get("topk_group", 1), routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
@@ -87,6 +91,28 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        shared_expert_dim=n_shared * hf["moe_intermediate_size"],
                        first_k_dense=hf.get("first_k_dense_replace", 0), qkv_bias=hf.get("attention_bias", False),
                        qk_norm="head" if hf.get("use_qk_norm", False) else "none")
+
+
+def _mla_config(hf: dict, common: dict, n_shared: int) -> ModelConfig:
+    """DeepSeek-V3-style configs: multi-head latent attention over the sigmoid grouped router."""
+    if hf.get("attention_bias", False):
+        raise ValueError("attention_bias = True is not supported for multi-head latent attention; allowed: False")
+    heads = common["n_heads"]
+    if (hf.get("num_key_value_heads") or heads) != heads:
+        raise ValueError(f"num_key_value_heads = {hf['num_key_value_heads']} with multi-head latent attention; "
+                         f"allowed: num_attention_heads = {heads} (transformers expands one key per head)")
+    nope, rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    common = dict(common, n_kv_heads=heads, head_dim=nope + rope_dim)
+    return ModelConfig(**common, router="sigmoid_grouped", n_experts=_get(hf, "n_routed_experts", "num_local_experts"),
+                       expert_dim=hf["moe_intermediate_size"], n_groups=hf.get("n_group") or 1,
+                       topk_groups=hf.get("topk_group") or 1,
+                       routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
+                       norm_topk_prob=hf.get("norm_topk_prob", True), n_shared_experts=n_shared,
+                       shared_expert_dim=n_shared * hf["moe_intermediate_size"],
+                       first_k_dense=hf.get("first_k_dense_replace", 0), attention_kind="mla",
+                       q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=nope,
+                       qk_rope_head_dim=rope_dim, v_head_dim=hf["v_head_dim"],
+                       rope_interleave=bool(hf.get("rope_interleave", True)))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -104,9 +130,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                intermediate_size=cfg.dense_mlp_dim, hidden_act="silu", norm_topk_prob=cfg.norm_topk_prob)
     expected = {"qwen3_moe": ("softmax_topk", "head"), "qwen2_moe": ("softmax_topk", "none"),
                 "mixtral": ("softmax_topk", "none"), "olmoe": ("softmax_topk", "proj"),
-                "glm4_moe": ("sigmoid_grouped", cfg.qk_norm)}[family]
-    if (cfg.router, cfg.qk_norm) != expected:
-        raise ValueError(f"config (router {cfg.router}, qk_norm {cfg.qk_norm}) does not fit {family}")
+                "glm4_moe": ("sigmoid_grouped", cfg.qk_norm), "deepseek_v3": ("sigmoid_grouped", "none")}[family]
+    if (cfg.router, cfg.qk_norm) != expected or (cfg.attention_kind == "mla") != (family in _MLA_FAMILIES):
+        raise ValueError(f"config (router {cfg.router}, qk_norm {cfg.qk_norm}, attention {cfg.attention_kind}) "
+                         f"does not fit {family}")
     if family == "qwen3_moe":
         out.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.expert_dim, attention_bias=cfg.qkv_bias)
     elif family == "qwen2_moe":
@@ -120,7 +147,14 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         out.update(n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.expert_dim, n_group=cfg.n_groups,
                    topk_group=cfg.topk_groups, routed_scaling_factor=cfg.routed_scaling_factor,
                    n_shared_experts=cfg.n_shared_experts, first_k_dense_replace=cfg.first_k_dense,
-                   attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
+                   attention_bias=cfg.qkv_bias)
+        if family in _MLA_FAMILIES:
+            del out["head_dim"]  # transformers derives it (= qk_rope_head_dim)
+            out.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                       qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                       v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=0)
+        else:
+            out["use_qk_norm"] = cfg.qk_norm == "head"
     return out
 
 
@@ -202,14 +236,10 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     blocks = {}
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        attn = {"q_proj": _linear(t, p + "self_attn.q_proj", d, q_dim, cfg.qkv_bias),
-                "k_proj": _linear(t, p + "self_attn.k_proj", d, kv_dim, cfg.qkv_bias),
-                "v_proj": _linear(t, p + "self_attn.v_proj", d, kv_dim, cfg.qkv_bias),
-                "o_proj": _linear(t, p + "self_attn.o_proj", q_dim, d, False)}
-        if cfg.qk_norm != "none":
-            dims = (hd, hd) if cfg.qk_norm == "head" else (q_dim, kv_dim)
-            attn["q_norm"] = {"scale": t.take(p + "self_attn.q_norm.weight", (dims[0],))}
-            attn["k_norm"] = {"scale": t.take(p + "self_attn.k_norm.weight", (dims[1],))}
+        if cfg.attention_kind == "mla":
+            attn = _mla_params(t, p + "self_attn.", cfg)
+        else:
+            attn = _gqa_params(t, p, cfg, q_dim, kv_dim)
         block = {"attn": attn, "attn_norm": {"scale": t.take(p + "input_layernorm.weight", (d,))},
                  "mlp_norm": {"scale": t.take(p + "post_attention_layernorm.weight", (d,))}}
         if i in cfg.moe_layers:
@@ -240,6 +270,53 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     return params
 
 
+# transformers' MLA parameter names -> jaxalign's (model/mla.py)
+_MLA_NAMES = (("q_proj", "q_proj"), ("q_a_proj", "q_a_proj"), ("q_b_proj", "q_b_proj"),
+              ("kv_a_proj_with_mqa", "kv_a_proj"), ("kv_b_proj", "kv_b_proj"), ("o_proj", "o_proj"))
+_MLA_NORMS = (("q_a_layernorm", "q_a_norm"), ("kv_a_layernorm", "kv_a_norm"))
+
+
+def _mla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    h, qk = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    shapes = {"kv_a_proj": (cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+              "kv_b_proj": (cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+              "o_proj": (h * cfg.v_head_dim, cfg.d_model)}
+    if cfg.q_lora_rank is None:
+        shapes["q_proj"] = (cfg.d_model, h * qk)
+    else:
+        shapes.update(q_a_proj=(cfg.d_model, cfg.q_lora_rank), q_b_proj=(cfg.q_lora_rank, h * qk))
+    return shapes
+
+
+def _mla_params(t: _Tensors, prefix: str, cfg: ModelConfig) -> dict:
+    shapes = _mla_shapes(cfg)
+    attn = {ours: _linear(t, prefix + theirs, *shapes[ours], False) for theirs, ours in _MLA_NAMES if ours in shapes}
+    for theirs, ours in _MLA_NORMS:
+        if ours != "q_a_norm" or cfg.q_lora_rank is not None:
+            dim = cfg.kv_lora_rank if ours == "kv_a_norm" else cfg.q_lora_rank
+            attn[ours] = {"scale": t.take(prefix + theirs + ".weight", (dim,))}
+    return attn
+
+
+def _mla_to_hf(attn: dict, prefix: str) -> dict[str, np.ndarray]:
+    out = {f"{prefix}{theirs}.weight": attn[ours]["w"].T for theirs, ours in _MLA_NAMES if attn.get(ours)}
+    out.update({f"{prefix}{theirs}.weight": attn[ours]["scale"] for theirs, ours in _MLA_NORMS if attn.get(ours)})
+    return out
+
+
+def _gqa_params(t: _Tensors, p: str, cfg: ModelConfig, q_dim: int, kv_dim: int) -> dict:
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = {"q_proj": _linear(t, p + "self_attn.q_proj", d, q_dim, cfg.qkv_bias),
+            "k_proj": _linear(t, p + "self_attn.k_proj", d, kv_dim, cfg.qkv_bias),
+            "v_proj": _linear(t, p + "self_attn.v_proj", d, kv_dim, cfg.qkv_bias),
+            "o_proj": _linear(t, p + "self_attn.o_proj", q_dim, d, False)}
+    if cfg.qk_norm != "none":
+        dims = (hd, hd) if cfg.qk_norm == "head" else (q_dim, kv_dim)
+        attn["q_norm"] = {"scale": t.take(p + "self_attn.q_norm.weight", (dims[0],))}
+        attn["k_norm"] = {"scale": t.take(p + "self_attn.k_norm.weight", (dims[1],))}
+    return attn
+
+
 def load(path: str) -> Transformer:
     """A jaxalign Transformer (f32 masters) from a transformers checkpoint directory; `.config` is its
     ModelConfig."""
@@ -266,7 +343,9 @@ def tensors_to_hf(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
     family = "qwen3_moe" if cfg.family == "jaxalign" else cfg.family
     for i in range(cfg.n_layers):
         b, pre = p["blocks"][i], f"model.layers.{i}."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if cfg.attention_kind == "mla":
+            out.update(_mla_to_hf(b["attn"], pre + "self_attn."))
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj") if cfg.attention_kind == "gqa" else ():
             out[f"{pre}self_attn.{name}.weight"] = b["attn"][name]["w"].T
             if "b" in b["attn"][name]:
                 out[f"{pre}self_attn.{name}.bias"] = b["attn"][name]["b"]
@@ -314,6 +393,7 @@ def save(model: Transformer, path: str, dtype=np.float32) -> None:
 _FAMILY_OVERRIDES = {
     "mixtral": ",gate=f32",  # Mixtral keeps the top-k routing weights in float32
     "glm4_moe": ",router=f32,gate=f32",  # router weight/bias kept in f32; f32 weights times bf16 expert outputs
+    "deepseek_v3": ",router=f32,gate=f32",  # the same router (weight and bias kept in f32)
 }
 
 

@@ -11,6 +11,7 @@ from jaxalign.align.replay import RoutingRecord
 from jaxalign.model.attention import Attention
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Embedding, Linear, RMSNorm
+from jaxalign.model.mla import MLAttention
 from jaxalign.model.moe import MoE
 from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, as_compute, as_param
@@ -26,7 +27,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = MLAttention(cfg, rngs=rngs) if cfg.attention_kind == "mla" else Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else DenseMLP(cfg.d_model, cfg.dense_mlp_dim, rngs=rngs)
         self.is_moe = moe

@@ -103,6 +103,10 @@ FIELDS: dict[str, _Field] = {
                            "sums over an axis split across devices: xla = the partitioner's partial sums and "
                            "all-reduce (order depends on the mesh); ordered = the axis is gathered first and summed "
                            "on one device in the single-device order (bitwise equal to one device for any mesh)"),
+    "mla": _Field("mla", "expanded|absorbed", _one_of("expanded", "absorbed"),
+                  "multi-head latent attention (MLA models only): expanded = keys and values up-projected per head "
+                  "from the latent (trainers); absorbed = the key up-projection folded into the query, attention "
+                  "over the latent itself, the value up-projection after it (serving engines)"),
 }
 _BY_KEY = {f.key: name for name, f in FIELDS.items()}
 
@@ -131,6 +135,7 @@ class NumericPolicy:
     logits_dtype: str = "f32"
     lora: str = "merged"
     cross_device: str = "xla"
+    mla: str = "expanded"
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():
@@ -226,9 +231,10 @@ PRESETS: dict[str, NumericPolicy] = {
     # sorted (grouped-matmul) expert dispatch, f32 combine.
     "train-bf16": _bf16_compute(dispatch="sorted"),
     # A fast serving engine: bf16 router and gate weights, bf16 combine, flash-decoding style chunked attention,
-    # bf16 logits.
+    # bf16 logits, absorbed MLA.
     "serve-bf16": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
-                                combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16"),
+                                combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16",
+                                mla="absorbed"),
     # Used on both sides: batch-invariant kernels (fixed row tiles, halving-tree reductions) so engine and
     # trainer logprobs are bitwise identical, while matmuls stay bf16. RoPE and gate weights are bf16 so every
     # product that feeds an add is exact in f32: XLA:CPU contracts a*b+c into an FMA or not depending on
