@@ -17,7 +17,7 @@ from jaxalign.model.scoring import forward
 collect_ignore = [] if os.environ.get("JAXALIGN_MULTIDEVICE") == "1" else ["multidevice"]
 
 FAMILY_PRESETS = ("tiny", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe",
-                  "tiny-deepseek-v3")
+                  "tiny-deepseek-v3", "tiny-glm5")
 
 
 def _memory_map_count() -> int | None:

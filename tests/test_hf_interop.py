@@ -241,3 +241,30 @@ def test_mla_checkpoint_in_both_expert_layouts(tmp_path):
     save_file({k: v.contiguous() for k, v in state.items()}, str(fused / "model.safetensors"))
     (fused / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
     np.testing.assert_array_equal(np.asarray(hf.load(str(fused))(tokens, policy=FP32)[0]), reference)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(model_type="mixtral", sliding_window=16), r"sliding_window = 16 is not supported; supported: null"),
+    (dict(model_type="qwen2_moe", use_sliding_window=True, sliding_window=8),
+     r"use_sliding_window = True \(sliding_window = 8\) is not supported"),
+    (dict(model_type="qwen2_moe", layer_types=["full_attention", "sliding_attention"]),
+     r"layer_types holds \['sliding_attention'\]; supported: only 'full_attention'"),
+    (dict(model_type="deepseek_v3", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+     r"rope_parameters.rope_type = 'yarn' \(a RoPE scaling\) is not supported; supported: default"),
+    (dict(model_type="deepseek_v3", num_key_value_heads=2), r"num_key_value_heads = 2 with multi-head latent"),
+])
+def test_unsupported_config_features_are_refused_by_name(tmp_path, changes, message):
+    """A feature we do not implement is refused naming the field, its value and what is supported -- never
+    silently ignored (a Mixtral window used to be dropped)."""
+    family = changes["model_type"]
+    path = tmp_path / family
+    path.mkdir()
+    base = transformers.AutoConfig.for_model(family, **{k: v for k, v in FAMILIES[family].items()}).to_dict()
+    (path / "config.json").write_text(json.dumps({**base, **changes}))
+    with pytest.raises(ValueError, match=message):
+        hf.load(str(path))
+
+
+def test_a_mixtral_window_as_long_as_the_context_is_accepted():
+    config = transformers.AutoConfig.for_model("mixtral", sliding_window=64, max_position_embeddings=64).to_dict()
+    assert hf.config_from_hf(config).max_seq_len == 64

@@ -58,3 +58,20 @@ def test_both_mla_forms_match_float64_reference(form):
     logits, _ = model(jnp.asarray(tokens), policy=NumericPolicy.parse(f"fp32,mla={form}"))
     ref_logits, _ = reference_forward(model, tokens)
     assert _rel_err(logits, ref_logits) <= 1e-5
+
+
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_dsa_selections_and_logits_match_float64_reference(form):
+    """tiny-glm5: the indexer picks the reference's keys wherever its decision is not an exact tie, and the
+    sparse attention over them gives the reference's logits."""
+    model = build_model("tiny-glm5")
+    tokens = random_tokens(model.config, 2, 24, seed=4)
+    logits, record = model(jnp.asarray(tokens), policy=NumericPolicy.parse(f"fp32,mla={form}"))
+    ref_logits, _, ref_index = reference_forward(model, tokens, return_index=True)
+    ours = np.sort(np.asarray(record.index_positions), -1)
+    differs = (ours != np.sort(ref_index, -1)).any(-1)
+    margins = np.asarray(record.index_margins)
+    assert (margins[~np.isinf(margins)] > 1e-6).any() and (ours >= 0).sum() > 0
+    assert np.all(margins[differs] < 1e-6), "key selections differ away from a tie"
+    assert differs.mean() < 0.05
+    assert _rel_err(logits, ref_logits) <= 1e-5

@@ -31,11 +31,30 @@ _MLA_FAMILIES = ("deepseek_v3",)
 
 # --- config ----------------------------------------------------------------------------------------------------
 def _rope(hf: dict) -> tuple[float, float]:
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if params.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"rope_type {params.get('rope_type')!r} is not supported; allowed: default")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"{field}.rope_type = {rope_type!r} (a RoPE scaling) is not supported; supported: default "
+                         f"(unscaled RoPE)")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     return float(theta), float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+
+
+def _refuse_windows(hf: dict) -> None:
+    """Sliding-window attention and per-layer attention patterns are not implemented: refuse a config that asks
+    for them (transformers would mask keys we attend to)."""
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        odd = sorted({t for t in layer_types if t != "full_attention"})
+        raise ValueError(f"layer_types holds {odd}; supported: only 'full_attention' layers")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"use_sliding_window = True (sliding_window = {hf.get('sliding_window')!r}) is not "
+                         f"supported; supported: use_sliding_window = False (full causal attention)")
+    window, longest = hf.get("sliding_window"), hf.get("max_position_embeddings", 4096)
+    if hf.get("model_type") == "mixtral" and window is not None and window < longest:
+        raise ValueError(f"sliding_window = {window} is not supported; supported: null, or a window >= "
+                         f"max_position_embeddings = {longest} (which masks nothing)")
 
 
 def _get(hf: dict, *names):
@@ -57,6 +76,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ValueError("mlp_only_layers / decoder_sparse_step != 1 (interleaved dense layers) are not supported")
     if hf.get("clip_qkv") is not None:
         raise ValueError("clip_qkv is not supported")
+    _refuse_windows(hf)
     theta, partial = _rope(hf)
     heads = hf["num_attention_heads"]
     common = dict(family=model_type, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],

@@ -14,6 +14,8 @@ ATTENTION_KINDS = ("gqa", "mla")
 # fields of multi-head latent attention; left out of `to_dict` for GQA models so their fingerprints stay as before
 _MLA_FIELDS = ("attention_kind", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                "rope_interleave")
+# fields of the DeepSeek sparse attention indexer (GLM-5); left out of `to_dict` without an indexer
+_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,6 +32,10 @@ class ModelConfig:
     rope key; queries optionally through a `q_lora_rank` bottleneck). Under `mla`, head_dim is the q.k head dim
     (qk_nope_head_dim + qk_rope_head_dim), every head has its own keys (n_kv_heads = n_heads) and RoPE rotates
     the rope slice only, interleaved pairs when `rope_interleave`.
+
+    DeepSeek sparse attention (GLM-5, `index_topk` > 0, MLA with a q bottleneck): an indexer per layer
+    (`index_n_heads` heads of `index_head_dim`) scores every visible key and each query attends only to its
+    `index_topk` best.
     """
 
     family: str = "jaxalign"
@@ -66,6 +72,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dense_mlp_dim",
@@ -114,6 +123,22 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rope_theta = {self.rope_theta}, rms_eps = {self.rms_eps}; "
                              f"allowed: positive floats")
         self._check_mla()
+        self._check_dsa()
+
+    def _check_dsa(self) -> None:
+        for name in _DSA_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{name} = {value!r}; allowed: an int >= 0")
+        if self.index_topk == 0:
+            return
+        if self.attention_kind != "mla" or self.q_lora_rank is None:
+            raise ValueError("ModelConfig.index_topk > 0 (DeepSeek sparse attention) needs attention_kind='mla' "
+                             "with a q_lora_rank (the indexer reads the q latent)")
+        if self.index_n_heads <= 0 or self.index_head_dim < self.qk_rope_head_dim or self.index_head_dim % 2:
+            raise ValueError(f"ModelConfig.index_n_heads = {self.index_n_heads}, index_head_dim = "
+                             f"{self.index_head_dim}; allowed: index_n_heads > 0 and an even index_head_dim >= "
+                             f"qk_rope_head_dim = {self.qk_rope_head_dim}")
 
     def _check_mla(self) -> None:
         if self.attention_kind not in ATTENTION_KINDS:
@@ -165,6 +190,9 @@ class ModelConfig:
         if self.attention_kind == "gqa":
             for name in _MLA_FIELDS:
                 del out[name]
+        if self.index_topk == 0:
+            for name in _DSA_FIELDS:
+                del out[name]
         return out
 
     @classmethod
@@ -186,7 +214,7 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
         """A named preset: tiny, small, bench, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, tiny-olmoe,
-        tiny-glm4-moe, tiny-deepseek-v3."""
+        tiny-glm4-moe, tiny-deepseek-v3, tiny-glm5."""
         if name not in _PRESETS:
             raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(_PRESETS)}")
         return _PRESETS[name]
@@ -227,4 +255,12 @@ _PRESETS: dict[str, ModelConfig] = {
                                     shared_expert_dim=16, first_k_dense=1, attention_kind="mla", q_lora_rank=16,
                                     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                                     rope_interleave=True),
+    # GLM-5 (transformers glm_moe_dsa): the same MLA + MoE with a DSA indexer (2 heads of 16, rope on the first 8
+    # dims, interleaved) choosing 6 keys per query; the main attention's rope is interleaved too
+    "tiny-glm5": ModelConfig(**{**_TINY, "n_layers": 3, "n_kv_heads": 4, "head_dim": 16}, family="glm_moe_dsa",
+                             router="sigmoid_grouped", n_groups=4, topk_groups=2, routed_scaling_factor=2.5,
+                             norm_topk_prob=True, n_shared_experts=1, shared_expert_dim=16, first_k_dense=1,
+                             rms_eps=1e-5, attention_kind="mla", q_lora_rank=16, kv_lora_rank=16,
+                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, rope_interleave=True,
+                             index_topk=6, index_n_heads=2, index_head_dim=16),
 }

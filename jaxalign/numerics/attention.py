@@ -107,12 +107,13 @@ def _tree_pv(p: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-              policy: NumericPolicy, scale: float | None = None) -> jax.Array:
+              policy: NumericPolicy, scale: float | None = None, allowed: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention.
 
     q [B, Q, H, D] (compute dtype), k [B, KVH, D, K] and v [B, KVH, K, Dv] (kv-cache dtype, laid out as the
     engine's cache), q_pos [B, Q], k_pos [B, K] positions. `scale` multiplies the scores (default D ** -0.5;
-    absorbed MLA passes the expanded q.k head dim's).
+    absorbed MLA passes the expanded q.k head dim's). `allowed` [B, Q, K] (sparse attention): only these keys
+    are visible, besides the causal mask.
     Returns [B, Q, H, Dv] in the compute dtype.
     """
     b, nq, h, d = q.shape
@@ -121,7 +122,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     q = local_reduce(q, policy, (3,))
     k, v = local_reduce(k, policy, (2, 3)), local_reduce(v, policy, (2,))
     qg = q.reshape(b, nq, kvh, h // kvh, d)
-    visible = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None, None]  # [B, 1, 1, Q, K]
+    visible = k_pos[:, None, :] <= q_pos[:, :, None]
+    if allowed is not None:
+        visible = visible & allowed
+    visible = visible[:, None, None]  # [B, 1, 1, Q, K]
     chunk = policy.attention_chunk
     scale = d ** -0.5 if scale is None else scale
     out = (_full(qg, k, v, visible, policy, scale) if chunk is None

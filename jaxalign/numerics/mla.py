@@ -31,14 +31,16 @@ def _per_head(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
 
 
 def mla_attention(q: jax.Array, cache: jax.Array, w_kv_b: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-                  policy: NumericPolicy, *, nope_dim: int, v_dim: int) -> jax.Array:
+                  policy: NumericPolicy, *, nope_dim: int, v_dim: int, allowed: jax.Array | None = None) -> jax.Array:
     """q [B, Q, H, dn + r] (nope dims, then rotated rope dims), cache [B, 1, R + r, K] (kv-cache dtype),
     w_kv_b [R, H * (dn + dv)] (the f32 master of kv_b_proj), positions q_pos [B, Q], k_pos [B, K].
+    `allowed` [B, Q, K]: the keys each query may attend to (DSA), or None for all.
     Returns the per-head attention output [B, Q, H, dv] in the compute dtype, in the policy's `mla` form."""
     b, nq, h, qk_dim = q.shape
     latent_dim = w_kv_b.shape[0]
     scale = qk_dim ** -0.5
     w = as_param(w_kv_b, policy).reshape(latent_dim, h, nope_dim + v_dim)
+    cache = cache[:, :, :latent_dim + qk_dim - nope_dim]  # latent and rope key rows (a DSA cache has more)
     latent = cache[:, 0, :latent_dim]  # [B, R, K]
     if policy.mla == "expanded":
         kv = matmul(jnp.transpose(latent, (0, 2, 1)), w.reshape(latent_dim, -1), policy)
@@ -47,11 +49,11 @@ def mla_attention(q: jax.Array, cache: jax.Array, w_kv_b: jax.Array, q_pos: jax.
         rope_keys = jnp.broadcast_to(rope_part, (b, h) + rope_part.shape[2:])
         keys = jnp.concatenate([jnp.transpose(kv[..., :nope_dim], (0, 2, 3, 1)), rope_keys], axis=2)
         values = jnp.transpose(kv[..., nope_dim:], (0, 2, 1, 3))  # [B, H, K, dv]
-        return attention(q, keys, values, q_pos, k_pos, policy, scale=scale)
+        return attention(q, keys, values, q_pos, k_pos, policy, scale=scale, allowed=allowed)
     w_uk_t = jnp.transpose(w[..., :nope_dim], (1, 2, 0))  # [H, dn, R]
     w_uv = jnp.transpose(w[..., nope_dim:], (1, 0, 2))  # [H, R, dv]
     q_latent = _per_head(q[..., :nope_dim], w_uk_t, policy)  # [B, Q, H, R]
     q_abs = jnp.concatenate([q_latent, as_compute(q[..., nope_dim:], policy)], axis=-1)
     values = jnp.transpose(cache[:, :, :latent_dim], (0, 1, 3, 2))  # [B, 1, K, R]
-    out_latent = attention(q_abs, cache, values, q_pos, k_pos, policy, scale=scale)  # [B, Q, H, R]
+    out_latent = attention(q_abs, cache, values, q_pos, k_pos, policy, scale=scale, allowed=allowed)  # [B, Q, H, R]
     return _per_head(out_latent, w_uv, policy)

@@ -107,6 +107,9 @@ FIELDS: dict[str, _Field] = {
                   "multi-head latent attention (MLA models only): expanded = keys and values up-projected per head "
                   "from the latent (trainers); absorbed = the key up-projection folded into the query, attention "
                   "over the latent itself, the value up-projection after it (serving engines)"),
+    "index_scores_dtype": _Field("index", "f32|bf16|f16", _one_of(*DTYPES),
+                                 "dtype of the DSA indexer's q.k scores, head weights and weighted sum, from which "
+                                 "its top-k picks the keys each query attends to (DSA models only)"),
 }
 _BY_KEY = {f.key: name for name, f in FIELDS.items()}
 
@@ -136,6 +139,7 @@ class NumericPolicy:
     lora: str = "merged"
     cross_device: str = "xla"
     mla: str = "expanded"
+    index_scores_dtype: str = "f32"
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():
