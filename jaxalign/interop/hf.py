@@ -1,7 +1,7 @@
 """Hugging Face checkpoints <-> jaxalign: read and write transformers' MoE families without torch.
 
 Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3 (multi-head latent
-attention). Weights are read with safetensors'
+attention), glm_moe_dsa (GLM-5: MLA with the DeepSeek sparse attention indexer). Weights are read with safetensors'
 numpy API (bf16 through ml_dtypes), from one file or a sharded index, in either expert layout: per expert
 (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's `w1/w3/w2`) or fused (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]). `save` writes config.json + model.safetensors in transformers' per-expert layout.
@@ -23,10 +23,12 @@ from safetensors.numpy import save_file
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.transformer import Transformer
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
 _ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-         "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-_MLA_FAMILIES = ("deepseek_v3",)
+         "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+         "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+_MLA_FAMILIES = ("deepseek_v3", "glm_moe_dsa")
+_LAYER_TYPES = {"glm_moe_dsa": "indexed_attention"}  # the attention layer type each family runs; others full
 
 
 # --- config ----------------------------------------------------------------------------------------------------
@@ -44,10 +46,10 @@ def _rope(hf: dict) -> tuple[float, float]:
 def _refuse_windows(hf: dict) -> None:
     """Sliding-window attention and per-layer attention patterns are not implemented: refuse a config that asks
     for them (transformers would mask keys we attend to)."""
-    layer_types = hf.get("layer_types")
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        odd = sorted({t for t in layer_types if t != "full_attention"})
-        raise ValueError(f"layer_types holds {odd}; supported: only 'full_attention' layers")
+    layer_types, supported = hf.get("layer_types"), _LAYER_TYPES.get(hf.get("model_type"), "full_attention")
+    if layer_types is not None and any(t != supported for t in layer_types):
+        odd = sorted({t for t in layer_types if t != supported})
+        raise ValueError(f"layer_types holds {odd}; supported: only {supported!r} layers")
     if hf.get("use_sliding_window"):
         raise ValueError(f"use_sliding_window = True (sliding_window = {hf.get('sliding_window')!r}) is not "
                          f"supported; supported: use_sliding_window = False (full causal attention)")
@@ -123,6 +125,20 @@ def _mla_config(hf: dict, common: dict, n_shared: int) -> ModelConfig:
                          f"allowed: num_attention_heads = {heads} (transformers expands one key per head)")
     nope, rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
     common = dict(common, n_kv_heads=heads, head_dim=nope + rope_dim)
+    dense = hf.get("first_k_dense_replace", 0)
+    mlp_types = hf.get("mlp_layer_types")
+    expected_types = ["dense"] * dense + ["sparse"] * (hf["num_hidden_layers"] - dense)
+    if mlp_types is not None and list(mlp_types) != expected_types:
+        raise ValueError(f"mlp_layer_types = {mlp_types} is not supported; supported: the first "
+                         f"first_k_dense_replace = {dense} layers 'dense', the rest 'sparse'")
+    index = {}
+    if hf["model_type"] == "glm_moe_dsa":
+        indexer_types = hf.get("indexer_types") or ["full"] * hf["num_hidden_layers"]
+        if any(t != "full" for t in indexer_types):
+            raise ValueError(f"indexer_types = {indexer_types} is not supported; supported: 'full' for every "
+                             f"layer (each layer runs its own indexer; 'shared' top-k reuse is not implemented)")
+        index = dict(index_topk=hf["index_topk"], index_n_heads=hf["index_n_heads"],
+                     index_head_dim=hf["index_head_dim"])
     return ModelConfig(**common, router="sigmoid_grouped", n_experts=_get(hf, "n_routed_experts", "num_local_experts"),
                        expert_dim=hf["moe_intermediate_size"], n_groups=hf.get("n_group") or 1,
                        topk_groups=hf.get("topk_group") or 1,
@@ -132,7 +148,7 @@ def _mla_config(hf: dict, common: dict, n_shared: int) -> ModelConfig:
                        first_k_dense=hf.get("first_k_dense_replace", 0), attention_kind="mla",
                        q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=nope,
                        qk_rope_head_dim=rope_dim, v_head_dim=hf["v_head_dim"],
-                       rope_interleave=bool(hf.get("rope_interleave", True)))
+                       rope_interleave=bool(hf.get("rope_interleave", True)), **index)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -150,7 +166,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                intermediate_size=cfg.dense_mlp_dim, hidden_act="silu", norm_topk_prob=cfg.norm_topk_prob)
     expected = {"qwen3_moe": ("softmax_topk", "head"), "qwen2_moe": ("softmax_topk", "none"),
                 "mixtral": ("softmax_topk", "none"), "olmoe": ("softmax_topk", "proj"),
-                "glm4_moe": ("sigmoid_grouped", cfg.qk_norm), "deepseek_v3": ("sigmoid_grouped", "none")}[family]
+                "glm4_moe": ("sigmoid_grouped", cfg.qk_norm), "deepseek_v3": ("sigmoid_grouped", "none"),
+                "glm_moe_dsa": ("sigmoid_grouped", "none")}[family]
     if (cfg.router, cfg.qk_norm) != expected or (cfg.attention_kind == "mla") != (family in _MLA_FAMILIES):
         raise ValueError(f"config (router {cfg.router}, qk_norm {cfg.qk_norm}, attention {cfg.attention_kind}) "
                          f"does not fit {family}")
@@ -172,7 +189,16 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             del out["head_dim"]  # transformers derives it (= qk_rope_head_dim)
             out.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
                        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-                       v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=0)
+                       v_head_dim=cfg.v_head_dim)
+            if family == "deepseek_v3":
+                out.update(rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=0)
+            else:
+                if not cfg.rope_interleave or not cfg.index_topk:
+                    raise ValueError("glm_moe_dsa has interleaved RoPE and an indexer; this config has "
+                                     f"rope_interleave = {cfg.rope_interleave}, index_topk = {cfg.index_topk}")
+                out.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_n_heads,
+                           index_head_dim=cfg.index_head_dim, indexer_types=["full"] * cfg.n_layers,
+                           mlp_layer_types=["dense"] * cfg.first_k_dense + ["sparse"] * cfg.n_moe_layers)
         else:
             out["use_qk_norm"] = cfg.qk_norm == "head"
     return out
@@ -315,12 +341,24 @@ def _mla_params(t: _Tensors, prefix: str, cfg: ModelConfig) -> dict:
         if ours != "q_a_norm" or cfg.q_lora_rank is not None:
             dim = cfg.kv_lora_rank if ours == "kv_a_norm" else cfg.q_lora_rank
             attn[ours] = {"scale": t.take(prefix + theirs + ".weight", (dim,))}
+    if cfg.index_topk:
+        h, d, ix = cfg.index_n_heads, cfg.index_head_dim, prefix + "indexer."
+        attn["indexer"] = {"wq_b": _linear(t, ix + "wq_b", cfg.q_lora_rank, h * d, False),
+                           "wk": _linear(t, ix + "wk", cfg.d_model, d, False),
+                           "k_norm_scale": t.take(ix + "k_norm.weight", (d,)),
+                           "k_norm_bias": t.take(ix + "k_norm.bias", (d,)),
+                           "weights_proj": _linear(t, ix + "weights_proj", cfg.d_model, h, False)}
     return attn
 
 
 def _mla_to_hf(attn: dict, prefix: str) -> dict[str, np.ndarray]:
     out = {f"{prefix}{theirs}.weight": attn[ours]["w"].T for theirs, ours in _MLA_NAMES if attn.get(ours)}
     out.update({f"{prefix}{theirs}.weight": attn[ours]["scale"] for theirs, ours in _MLA_NORMS if attn.get(ours)})
+    if attn.get("indexer"):
+        ix, pre = attn["indexer"], prefix + "indexer."
+        out.update({pre + "wq_b.weight": ix["wq_b"]["w"].T, pre + "wk.weight": ix["wk"]["w"].T,
+                    pre + "k_norm.weight": ix["k_norm_scale"], pre + "k_norm.bias": ix["k_norm_bias"],
+                    pre + "weights_proj.weight": ix["weights_proj"]["w"].T})
     return out
 
 
@@ -414,6 +452,7 @@ _FAMILY_OVERRIDES = {
     "mixtral": ",gate=f32",  # Mixtral keeps the top-k routing weights in float32
     "glm4_moe": ",router=f32,gate=f32",  # router weight/bias kept in f32; f32 weights times bf16 expert outputs
     "deepseek_v3": ",router=f32,gate=f32",  # the same router (weight and bias kept in f32)
+    "glm_moe_dsa": ",router=f32,gate=f32",  # the indexer's scores are float32 in transformers (index=f32)
 }
 
 
