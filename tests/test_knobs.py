@@ -36,7 +36,7 @@ KNOBS = [
     ("mla", "fp32", "absorbed"),  # on an MLA model (tiny-deepseek-v3)
     ("mla", "aligned-bf16", "absorbed"),
     ("index_scores_dtype", "fp32", "bf16"),  # on a DSA model (tiny-glm5): bf16 index scores flip selections
-    ("index_scores_dtype", "aligned-bf16", "f16"),
+    ("index_scores_dtype", "aligned-bf16", "bf16"),
 ]
 KNOB_MODELS = {"mla": "tiny-deepseek-v3", "index_scores_dtype": "tiny-glm5"}
 
