@@ -16,7 +16,8 @@ from jaxalign.model.scoring import forward
 # tests/multidevice/ needs 8 fake devices, set before JAX starts: tests/test_meshes.py runs it in its own process
 collect_ignore = [] if os.environ.get("JAXALIGN_MULTIDEVICE") == "1" else ["multidevice"]
 
-FAMILY_PRESETS = ("tiny", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe")
+FAMILY_PRESETS = ("tiny", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe",
+                  "tiny-deepseek-v3", "tiny-glm5")
 
 
 def _memory_map_count() -> int | None:

@@ -67,6 +67,69 @@ def _attention(p, cfg, x, pos):
     return _lin(p["o_proj"], out)
 
 
+def _rope_interleaved(x, pos, theta):
+    """DeepSeek's interleaved RoPE: pair (x[2i], x[2i+1]) rotated by frequency i; output [evens', odds']."""
+    d = x.shape[-1]
+    ang = pos[..., None].astype(np.float64) * (1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    cos, sin = np.cos(ang)[:, :, None, :], np.sin(ang)[:, :, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def _mla_attention(p, cfg, x, pos):
+    """Multi-head latent attention in its expanded form (keys and values up-projected per head)."""
+    b, s, _ = x.shape
+    h, dn, dr, dv, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = _lin(p["q_proj"], x)
+    else:
+        q = _lin(p["q_b_proj"], _rms(_lin(p["q_a_proj"], x), p["q_a_norm"]["scale"], 1e-6))
+    q = q.reshape(b, s, h, dn + dr)
+    rot = _rope_interleaved if cfg.rope_interleave else (lambda y, ps, th: _rope(y, ps, th, y.shape[-1]))
+    q = np.concatenate([q[..., :dn], rot(q[..., dn:], pos, cfg.rope_theta)], -1)
+    compressed = _lin(p["kv_a_proj"], x)
+    latent = _rms(compressed[..., :r], p["kv_a_norm"]["scale"], 1e-6)
+    k_rope = rot(compressed[..., None, r:], pos, cfg.rope_theta)  # [B, S, 1, dr]
+    kv = (latent @ p["kv_b_proj"]["w"]).reshape(b, s, h, dn + dv)
+    k = np.concatenate([kv[..., :dn], np.broadcast_to(k_rope, (b, s, h, dr))], -1)
+    v = kv[..., dn:]
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dn + dr)
+    keep = np.broadcast_to(np.tril(np.ones((s, s), bool)), (b, s, s))
+    chosen = None
+    if cfg.index_topk:
+        q_latent = _rms(_lin(p["q_a_proj"], x), p["q_a_norm"]["scale"], 1e-6)
+        chosen = _indexer(p["indexer"], cfg, x, q_latent, pos)
+        picked = (np.arange(s)[None, None, :, None] == chosen[:, :, None, :]).any(-1)  # [B, S, T]
+        keep = keep & picked
+    scores = np.where(keep[:, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return _lin(p["o_proj"], np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, -1)), chosen
+
+
+def _indexer(p, cfg, x, q_latent, pos):
+    """DSA indexer: key positions [B, S, index_topk] each query keeps (-1 past the visible keys); the best
+    scores first, ties to the earlier key."""
+    b, s, _ = x.shape
+    h, d, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    q = _lin(p["wq_b"], q_latent).reshape(b, s, h, d)
+    q = np.concatenate([_rope_interleaved(q[..., :r], pos, cfg.rope_theta), q[..., r:]], -1)
+    k = _lin(p["wk"], x)
+    k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6) * p["k_norm_scale"] \
+        + p["k_norm_bias"]
+    k = np.concatenate([_rope_interleaved(k[:, :, None, :r], pos, cfg.rope_theta)[:, :, 0], k[..., r:]], -1)
+    per_head = np.maximum(np.einsum("bshd,btd->bsht", q, k) / np.sqrt(d), 0.0)
+    weights = _lin(p["weights_proj"], x) / np.sqrt(h)
+    scores = np.einsum("bsh,bsht->bst", weights, per_head)
+    scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+    order = np.argsort(-scores, -1, kind="stable")[..., : cfg.index_topk]
+    visible = np.take_along_axis(np.isfinite(scores), order, -1)
+    out = np.where(visible, order, -1)
+    if out.shape[-1] < cfg.index_topk:
+        out = np.concatenate([out, -np.ones((b, s, cfg.index_topk - out.shape[-1]), out.dtype)], -1)
+    return out
+
+
 def _mlp(p, x):
     return _lin(p["down"], _silu(_lin(p["gate"], x)) * _lin(p["up"], x))
 
@@ -118,18 +181,25 @@ def _moe(p, cfg, x, replay):
     return out.reshape(b, s, d), idx.reshape(b, s, -1)
 
 
-def forward(model, tokens, replay=None):
-    """float64 logits [B, S, V] and expert indices [B, S, moe_layers, k]. `replay`: indices or None."""
+def forward(model, tokens, replay=None, return_index=False):
+    """float64 logits [B, S, V] and expert indices [B, S, moe_layers, k] (and with `return_index`, a DSA model's
+    indexer selections [B, S, layers, index_topk]). `replay`: indices or None."""
     cfg = model.config
     p = params_f64(model)
     tokens = np.asarray(tokens)
     b, s = tokens.shape
     pos = np.broadcast_to(np.arange(s), (b, s))
     x = p["embed"]["table"][tokens]
-    routes = []
+    routes, selections = [], []
     for i in range(cfg.n_layers):
         bp = p["blocks"][i]
-        x = x + _attention(bp["attn"], cfg, _rms(x, bp["attn_norm"]["scale"], cfg.rms_eps), pos)
+        normed = _rms(x, bp["attn_norm"]["scale"], cfg.rms_eps)
+        if cfg.attention_kind == "mla":
+            h, chosen = _mla_attention(bp["attn"], cfg, normed, pos)
+            selections.append(chosen)
+        else:
+            h = _attention(bp["attn"], cfg, normed, pos)
+        x = x + h
         h = _rms(x, bp["mlp_norm"]["scale"], cfg.rms_eps)
         if i in cfg.moe_layers:
             layer_replay = None if replay is None else np.asarray(replay)[:, :, len(routes)]
@@ -140,4 +210,6 @@ def forward(model, tokens, replay=None):
         x = x + h
     x = _rms(x, p["final_norm"]["scale"], cfg.rms_eps)
     logits = x @ (p["embed"]["table"].T if cfg.tie_embeddings else p["lm_head"]["w"])
+    if return_index:
+        return logits, np.stack(routes, axis=2), np.stack(selections, axis=2)
     return logits, np.stack(routes, axis=2)

@@ -55,3 +55,18 @@ def test_public_api_by_role():
                  "mismatch_metrics", "routing_metrics", "compare", "localize"):
         assert name in ja.__all__ and (callable(getattr(ja, name)) or isinstance(getattr(ja, name), dict)), name
     assert callable(ja.interop.hf.load) and callable(ja.interop.golden.export_golden)
+def test_mla_config_is_checked_and_gqa_fingerprints_do_not_see_it():
+    from jaxalign import ModelConfig
+    import pytest
+    cfg = ModelConfig.preset("tiny-deepseek-v3")
+    assert cfg.rotary_dim == cfg.qk_rope_head_dim and "kv_lora_rank" in cfg.to_dict()
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert "kv_lora_rank" not in ModelConfig.preset("tiny").to_dict()
+    with pytest.raises(ValueError, match="head_dim = 12; under attention_kind='mla'"):
+        cfg.replace(head_dim=12)
+    with pytest.raises(ValueError, match="n_kv_heads = 2; under attention_kind='mla'"):
+        cfg.replace(n_kv_heads=2)
+    with pytest.raises(ValueError, match="kv_lora_rank = 0"):
+        cfg.replace(kv_lora_rank=0)
+    with pytest.raises(ValueError, match="attention_kind = 'sparse'; allowed: gqa, mla"):
+        cfg.replace(attention_kind="sparse")

@@ -26,18 +26,27 @@ FAMILIES = {
     "olmoe": dict(num_experts=8, eos_token_id=None, pad_token_id=None),
     "glm4_moe": dict(n_routed_experts=8, moe_intermediate_size=16, n_group=4, topk_group=2, first_k_dense_replace=1,
                      n_shared_experts=1, routed_scaling_factor=2.5),
+    # MLA: a q bottleneck, a KV latent, interleaved rope on 8 of each head's 16 q.k dims, 4 heads with own keys
+    "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=16, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        n_shared_experts=1, routed_scaling_factor=2.5, num_key_value_heads=4, q_lora_rank=16,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+    # GLM-5: the same MLA + MoE with a DSA indexer keeping 6 keys per query
+    "glm_moe_dsa": dict(n_routed_experts=8, moe_intermediate_size=16, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        n_shared_experts=1, routed_scaling_factor=2.5, num_key_value_heads=4, q_lora_rank=16,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=6,
+                        index_n_heads=2, index_head_dim=16),
 }
 
 
 def hf_model(family: str):
     """A random-init transformers model from a local config (initializer_range 0.2: logits of scale ~1)."""
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(
-        family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts_per_tok=4,
-        initializer_range=0.2, **FAMILIES[family])
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts_per_tok=4,
+                initializer_range=0.2)
+    config = transformers.AutoConfig.for_model(family, **{**base, **FAMILIES[family]})
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    if family == "glm4_moe":
+    if family in ("glm4_moe", "deepseek_v3", "glm_moe_dsa"):
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)  # exercise the selection-only bias
     return model
@@ -81,7 +90,10 @@ def test_fp32_logits_and_routing_match_transformers(saved):
     assert ours.config.family == family
     tokens = _tokens()
     ref_logits, ref_idx = _hf_forward(model, tokens)
-    logits, record = ours(tokens, policy=FP32)
+    index_replay = None
+    if family == "glm_moe_dsa":  # the indexer's exact ties break differently in torch: replay its choices
+        index_replay = _visible(_hf_index_selections(model, tokens)[1])
+    logits, record = ours(tokens, policy=FP32, index_replay=index_replay)
     logits = np.asarray(logits)
     assert np.abs(ref_logits).max() > 0.5  # logit scale ~1
     assert np.abs(logits - ref_logits).max() <= 1e-4
@@ -93,7 +105,7 @@ def test_fp32_logits_and_routing_match_transformers(saved):
 
 
 def test_export_round_trip_loads_in_transformers(tmp_path):
-    for preset in ("tiny-qwen3-moe", "tiny-mixtral", "tiny-glm4-moe"):
+    for preset in ("tiny-qwen3-moe", "tiny-mixtral", "tiny-glm4-moe", "tiny-deepseek-v3", "tiny-glm5"):
         from conftest import build_model
         ours = build_model(preset)
         out = str(tmp_path / preset)
@@ -101,7 +113,10 @@ def test_export_round_trip_loads_in_transformers(tmp_path):
         loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
         tokens = _tokens(2, 16, seed=1)
         ref_logits, _ = _hf_forward(loaded, tokens)
-        assert np.abs(np.asarray(ours(tokens, policy=FP32)[0]) - ref_logits).max() <= 1e-4
+        index_replay = None
+        if ours.config.index_topk:  # exact ties in the indexer break differently in torch: replay its keys
+            index_replay = _visible(_hf_index_selections(loaded, tokens)[1])
+        assert np.abs(np.asarray(ours(tokens, policy=FP32, index_replay=index_replay)[0]) - ref_logits).max() <= 1e-4
         # and back: our importer reads our exporter's files to the same parameters
         again = hf.load(out)
         np.testing.assert_array_equal(np.asarray(again(tokens, policy=FP32)[0]),
@@ -141,7 +156,7 @@ def test_bad_checkpoints_are_refused(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         hf.load(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="supported: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe"):
+    with pytest.raises(ValueError, match="supported: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3, glm_moe_dsa"):
         hf.load(str(tmp_path))
     path = _save(hf_model("mixtral"), tmp_path / "mix")
     from safetensors.torch import load_file, save_file
@@ -163,17 +178,20 @@ def test_bf16_emulation_lands_far_closer_to_the_matching_transformers_path(saved
     family, _, path = saved
     ours = hf.load(path)
     tokens = _tokens(8, 48)
-    hf_lp, hf_routes = {}, {}
+    hf_lp, hf_routes, hf_index = {}, {}, {"eager": None, "grouped_mm": None}
     for impl in ("eager", "grouped_mm"):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.bfloat16, experts_implementation=impl, attn_implementation="eager").eval()
         logits, hf_routes[impl] = _hf_forward(model, tokens)
         hf_lp[impl] = _next_token_lp(logits, tokens)
+        if family == "glm_moe_dsa":  # and the keys its indexer picked
+            hf_index[impl] = _visible(_hf_index_selections(model, tokens)[1])
     mask = np.ones(hf_lp["eager"].shape, bool)
     gap_between_hf_paths = mismatch_metrics(hf_lp["eager"], hf_lp["grouped_mm"], mask)["k3_kl"]
     assert gap_between_hf_paths > 0
     for impl in ("eager", "grouped_mm"):
-        lp, _ = ja.token_logprobs(ours, tokens, hf.emulation_policy(family, impl), replay=hf_routes[impl])
+        lp, _ = ja.token_logprobs(ours, tokens, hf.emulation_policy(family, impl), replay=hf_routes[impl],
+                                  index_replay=hf_index[impl])
         k3 = mismatch_metrics(np.asarray(lp), hf_lp[impl], mask)["k3_kl"]
         assert k3 * 10 <= gap_between_hf_paths, (impl, k3, gap_between_hf_paths)
 
@@ -221,3 +239,116 @@ def test_import_hf_cli_writes_an_orbax_checkpoint(tmp_path):
     again = subprocess.run(["jaxalign", "import-hf", path, "--out", str(out)], capture_output=True, text=True,
                            timeout=600)
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_mla_checkpoint_in_both_expert_layouts(tmp_path):
+    """deepseek_v3: save_pretrained's per-expert files and the fused in-memory layout load to the same bits, and
+    hf.save writes what transformers reads back."""
+    from safetensors.torch import save_file
+    model = hf_model("deepseek_v3")
+    tokens = _tokens(2, 16)
+    reference = np.asarray(hf.load(_save(model, tmp_path / "plain"))(tokens, policy=FP32)[0])
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    state = model.state_dict()
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, str(fused / "model.safetensors"))
+    (fused / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
+    np.testing.assert_array_equal(np.asarray(hf.load(str(fused))(tokens, policy=FP32)[0]), reference)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(model_type="mixtral", sliding_window=16), r"sliding_window = 16 is not supported; supported: null"),
+    (dict(model_type="qwen2_moe", use_sliding_window=True, sliding_window=8),
+     r"use_sliding_window = True \(sliding_window = 8\) is not supported"),
+    (dict(model_type="qwen2_moe", layer_types=["full_attention", "sliding_attention"]),
+     r"layer_types holds \['sliding_attention'\]; supported: only 'full_attention'"),
+    (dict(model_type="deepseek_v3", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+     r"rope_parameters.rope_type = 'yarn' \(a RoPE scaling\) is not supported; supported: default"),
+    (dict(model_type="deepseek_v3", num_key_value_heads=2), r"num_key_value_heads = 2 with multi-head latent"),
+    (dict(model_type="glm_moe_dsa", indexer_types=["full", "shared", "full"]),
+     r"indexer_types = \['full', 'shared', 'full'\] is not supported; supported: 'full' for every layer"),
+    (dict(model_type="glm_moe_dsa", mlp_layer_types=["sparse", "dense", "sparse"]),
+     r"mlp_layer_types = \['sparse', 'dense', 'sparse'\] is not supported"),
+])
+def test_unsupported_config_features_are_refused_by_name(tmp_path, changes, message):
+    """A feature we do not implement is refused naming the field, its value and what is supported -- never
+    silently ignored (a Mixtral window used to be dropped)."""
+    family = changes["model_type"]
+    path = tmp_path / family
+    path.mkdir()
+    base = transformers.AutoConfig.for_model(family, num_attention_heads=4, **FAMILIES[family]).to_dict()
+    (path / "config.json").write_text(json.dumps({**base, **changes}))
+    with pytest.raises(ValueError, match=message):
+        hf.load(str(path))
+
+
+def test_a_mixtral_window_as_long_as_the_context_is_accepted():
+    config = transformers.AutoConfig.for_model("mixtral", sliding_window=64, max_position_embeddings=64).to_dict()
+    assert hf.config_from_hf(config).max_seq_len == 64
+
+
+def _hf_index_selections(model, tokens):
+    """transformers' indexer outputs (top-k key indices [B, S, layers, k]) via hooks, and the logits."""
+    picked = []
+    hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, i, o: picked.append(o.clone()))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens)).logits.float().numpy()
+    for h in hooks:
+        h.remove()
+    return logits, torch.stack(picked, 2).numpy()
+
+
+def _visible(selected):
+    """transformers' selections [B, S, layers, k] with the future keys it returns for early queries as -1."""
+    positions = np.arange(selected.shape[1])[None, :, None, None]
+    return np.where(selected <= positions, selected, -1).astype(np.int32)
+
+
+def test_dsa_selections_prefill_and_decode_match_transformers(tmp_path):
+    """glm_moe_dsa: the indexer keeps the keys transformers' indexer returns (wherever ours is not an exact
+    tie); replaying transformers' choices, prefill logits agree within 1e-4, and so do the logits of its cached
+    step-by-step decode (whose indexer selects among cached indexer keys)."""
+    model = hf_model("glm_moe_dsa")
+    ours = hf.load(_save(model, tmp_path / "glm5"))
+    assert ours.config.index_topk == 6 and ours.config.rope_interleave
+    tokens = _tokens(2, 24, seed=5)
+    ref_logits, ref_index = _hf_index_selections(model, tokens)
+    theirs = _visible(ref_index)
+    # replaying transformers' keys keeps every layer's input on its path (a tie broken the other way in layer 0
+    # would change what layer 1 sees); the record holds what our indexer itself picked at each layer
+    _, record = ours(tokens, policy=FP32, index_replay=theirs)
+    mine = np.asarray(record.index_positions)
+    differs = (np.sort(mine, -1) != np.sort(theirs, -1)).any(-1)
+    margins = np.asarray(record.index_margins)
+    # relu zeroes many index scores, so exact ties are common (~30% of rows here); away from them all agree
+    assert np.all(margins[differs] < 1e-6), "selections differ away from a tie"
+    assert ((margins > 1e-6) & np.isfinite(margins)).sum() > 50
+    logits, _ = ours(tokens, policy=FP32, index_replay=theirs)
+    assert np.abs(np.asarray(logits) - ref_logits).max() <= 1e-4
+    assert not np.array_equal(np.asarray(ours(tokens, policy=FP32, index_replay=theirs[:, :, ::-1])[0]),
+                              np.asarray(logits))  # the replay is live: other layers' keys change the logits
+    # transformers' decode: prefill 8 tokens, then one token at a time from its cache
+    picked = []
+    hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, i, o: picked.append(o.clone()))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        out = model(torch.tensor(tokens[:, :8]), use_cache=True)
+        cache, steps = out.past_key_values, [out.logits[:, -1].float().numpy()]
+        for t in range(8, tokens.shape[1] - 1):
+            out = model(torch.tensor(tokens[:, t:t + 1]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits[:, -1].float().numpy())
+    for h in hooks:
+        h.remove()
+    n_layers = len(model.model.layers)
+    calls = [torch.stack(picked[i:i + n_layers], 2).numpy() for i in range(0, len(picked), n_layers)]
+    k = ours.config.index_topk
+    decode_sel = np.concatenate([calls[0]] + [np.pad(c, ((0, 0), (0, 0), (0, 0), (0, k - c.shape[-1])),
+                                                     constant_values=-1) if c.shape[-1] < k else c
+                                              for c in calls[1:]], 1)
+    replay = np.full(tokens.shape + (n_layers, k), -1, np.int32)
+    replay[:, : decode_sel.shape[1]] = _visible(decode_sel)
+    logits, _ = ours(tokens, policy=FP32, index_replay=replay)
+    assert np.abs(np.stack(steps, 1) - np.asarray(logits)[:, 7:-1]).max() <= 1e-4

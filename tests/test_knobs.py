@@ -36,7 +36,12 @@ KNOBS = [
     ("kv_cache_dtype", "fp32", "bf16"),
     ("logits_dtype", "fp32", "bf16"),
     ("lora", "aligned-bf16", "unmerged"),  # on a model with LoRA adapters
+    ("mla", "fp32", "absorbed"),  # on an MLA model (tiny-deepseek-v3)
+    ("mla", "aligned-bf16", "absorbed"),
+    ("index_scores_dtype", "fp32", "bf16"),  # on a DSA model (tiny-glm5): bf16 index scores flip selections
+    ("index_scores_dtype", "aligned-bf16", "bf16"),
 ]
+KNOB_MODELS = {"mla": "tiny-deepseek-v3", "index_scores_dtype": "tiny-glm5"}
 
 
 # Values that only change how the same sums are laid out (which rows each expert product sees). XLA:CPU may or may
@@ -73,7 +78,7 @@ def test_cross_device_is_a_no_op_on_one_device():
 
 @pytest.mark.parametrize("field, base_name, value", KNOBS, ids=[f"{f}={v}" for f, _, v in KNOBS])
 def test_knob_changes_numbers_and_restores(field, base_name, value):
-    model = build_lora_model() if field == "lora" else build_model("tiny")
+    model = build_lora_model() if field == "lora" else build_model(KNOB_MODELS.get(field, "tiny"))
     tokens = random_tokens(model.config, 4, 32, seed=3)
     base = NumericPolicy.preset(base_name)
     flipped = base.replace(**{field: value})

@@ -25,6 +25,10 @@ class RoutingRecord:
     indices: jax.Array
     weights: jax.Array
     margins: jax.Array
+    # DSA models only: the indexer's chosen key positions [batch, seq, layers, index_topk] (-1 = none) and its
+    # selection margins [batch, seq, layers]; None otherwise
+    index_positions: jax.Array | None = None
+    index_margins: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

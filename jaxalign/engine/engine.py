@@ -185,9 +185,13 @@ class Engine:
                    "cache_len": cache_len, "kv_cache_bytes": self.kv_cache_bytes(slots, cache_len)})
 
     def kv_cache_bytes(self, batch: int, cache_len: int) -> int:
-        """Bytes of the KV cache for `batch` rows of `cache_len` slots under this policy."""
+        """Bytes of the KV cache for `batch` rows of `cache_len` slots under this policy (for an MLA model: the
+        latent and rope key of every slot)."""
         cfg = self.config
         itemsize = jnp.dtype(dtype(self.policy.kv_cache_dtype)).itemsize
+        if cfg.attention_kind == "mla":
+            from jaxalign.model.mla import latent_cache_bytes
+            return latent_cache_bytes(cfg, batch, cache_len, itemsize)
         return 2 * cfg.n_layers * batch * cache_len * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 

@@ -1,6 +1,7 @@
 """Hugging Face checkpoints <-> jaxalign: read and write transformers' MoE families without torch.
 
-Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe. Weights are read with safetensors'
+Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3 (multi-head latent
+attention), glm_moe_dsa (GLM-5: MLA with the DeepSeek sparse attention indexer). Weights are read with safetensors'
 numpy API (bf16 through ml_dtypes), from one file or a sharded index, in either expert layout: per expert
 (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's `w1/w3/w2`) or fused (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]). `save` writes config.json + model.safetensors in transformers' per-expert layout.
@@ -22,18 +23,40 @@ from safetensors.numpy import save_file
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.transformer import Transformer
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
 _ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-         "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+         "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+         "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+_MLA_FAMILIES = ("deepseek_v3", "glm_moe_dsa")
+_LAYER_TYPES = {"glm_moe_dsa": "indexed_attention"}  # the attention layer type each family runs; others full
 
 
 # --- config ----------------------------------------------------------------------------------------------------
 def _rope(hf: dict) -> tuple[float, float]:
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if params.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"rope_type {params.get('rope_type')!r} is not supported; allowed: default")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"{field}.rope_type = {rope_type!r} (a RoPE scaling) is not supported; supported: default "
+                         f"(unscaled RoPE)")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     return float(theta), float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+
+
+def _refuse_windows(hf: dict) -> None:
+    """Sliding-window attention and per-layer attention patterns are not implemented: refuse a config that asks
+    for them (transformers would mask keys we attend to)."""
+    layer_types, supported = hf.get("layer_types"), _LAYER_TYPES.get(hf.get("model_type"), "full_attention")
+    if layer_types is not None and any(t != supported for t in layer_types):
+        odd = sorted({t for t in layer_types if t != supported})
+        raise ValueError(f"layer_types holds {odd}; supported: only {supported!r} layers")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"use_sliding_window = True (sliding_window = {hf.get('sliding_window')!r}) is not "
+                         f"supported; supported: use_sliding_window = False (full causal attention)")
+    window, longest = hf.get("sliding_window"), hf.get("max_position_embeddings", 4096)
+    if hf.get("model_type") == "mixtral" and window is not None and window < longest:
+        raise ValueError(f"sliding_window = {window} is not supported; supported: null, or a window >= "
+                         f"max_position_embeddings = {longest} (which masks nothing)")
 
 
 def _get(hf: dict, *names):
@@ -55,6 +78,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ValueError("mlp_only_layers / decoder_sparse_step != 1 (interleaved dense layers) are not supported")
     if hf.get("clip_qkv") is not None:
         raise ValueError("clip_qkv is not supported")
+    _refuse_windows(hf)
     theta, partial = _rope(hf)
     heads = hf["num_attention_heads"]
     common = dict(family=model_type, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
@@ -80,6 +104,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
                            norm_topk_prob=hf.get("norm_topk_prob", False), qk_norm="proj",
                            qkv_bias=hf.get("attention_bias", False))
     n_shared = hf.get("n_shared_experts") or 0
+    if model_type in _MLA_FAMILIES:
+        return _mla_config(hf, common, n_shared)
     return ModelConfig(**common, router="sigmoid_grouped", n_experts=_get(hf, "n_routed_experts", "num_local_experts", "num_experts"),
                        expert_dim=hf["moe_intermediate_size"], n_groups=hf.get("n_group", 1),
                        topk_groups=hf.get("topk_group", 1), routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
@@ -87,6 +113,42 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        shared_expert_dim=n_shared * hf["moe_intermediate_size"],
                        first_k_dense=hf.get("first_k_dense_replace", 0), qkv_bias=hf.get("attention_bias", False),
                        qk_norm="head" if hf.get("use_qk_norm", False) else "none")
+
+
+def _mla_config(hf: dict, common: dict, n_shared: int) -> ModelConfig:
+    """DeepSeek-V3-style configs: multi-head latent attention over the sigmoid grouped router."""
+    if hf.get("attention_bias", False):
+        raise ValueError("attention_bias = True is not supported for multi-head latent attention; allowed: False")
+    heads = common["n_heads"]
+    if (hf.get("num_key_value_heads") or heads) != heads:
+        raise ValueError(f"num_key_value_heads = {hf['num_key_value_heads']} with multi-head latent attention; "
+                         f"allowed: num_attention_heads = {heads} (transformers expands one key per head)")
+    nope, rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    common = dict(common, n_kv_heads=heads, head_dim=nope + rope_dim)
+    dense = hf.get("first_k_dense_replace", 0)
+    mlp_types = hf.get("mlp_layer_types")
+    expected_types = ["dense"] * dense + ["sparse"] * (hf["num_hidden_layers"] - dense)
+    if mlp_types is not None and list(mlp_types) != expected_types:
+        raise ValueError(f"mlp_layer_types = {mlp_types} is not supported; supported: the first "
+                         f"first_k_dense_replace = {dense} layers 'dense', the rest 'sparse'")
+    index = {}
+    if hf["model_type"] == "glm_moe_dsa":
+        indexer_types = hf.get("indexer_types") or ["full"] * hf["num_hidden_layers"]
+        if any(t != "full" for t in indexer_types):
+            raise ValueError(f"indexer_types = {indexer_types} is not supported; supported: 'full' for every "
+                             f"layer (each layer runs its own indexer; 'shared' top-k reuse is not implemented)")
+        index = dict(index_topk=hf["index_topk"], index_n_heads=hf["index_n_heads"],
+                     index_head_dim=hf["index_head_dim"])
+    return ModelConfig(**common, router="sigmoid_grouped", n_experts=_get(hf, "n_routed_experts", "num_local_experts"),
+                       expert_dim=hf["moe_intermediate_size"], n_groups=hf.get("n_group") or 1,
+                       topk_groups=hf.get("topk_group") or 1,
+                       routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
+                       norm_topk_prob=hf.get("norm_topk_prob", True), n_shared_experts=n_shared,
+                       shared_expert_dim=n_shared * hf["moe_intermediate_size"],
+                       first_k_dense=hf.get("first_k_dense_replace", 0), attention_kind="mla",
+                       q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=nope,
+                       qk_rope_head_dim=rope_dim, v_head_dim=hf["v_head_dim"],
+                       rope_interleave=bool(hf.get("rope_interleave", True)), **index)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -104,9 +166,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                intermediate_size=cfg.dense_mlp_dim, hidden_act="silu", norm_topk_prob=cfg.norm_topk_prob)
     expected = {"qwen3_moe": ("softmax_topk", "head"), "qwen2_moe": ("softmax_topk", "none"),
                 "mixtral": ("softmax_topk", "none"), "olmoe": ("softmax_topk", "proj"),
-                "glm4_moe": ("sigmoid_grouped", cfg.qk_norm)}[family]
-    if (cfg.router, cfg.qk_norm) != expected:
-        raise ValueError(f"config (router {cfg.router}, qk_norm {cfg.qk_norm}) does not fit {family}")
+                "glm4_moe": ("sigmoid_grouped", cfg.qk_norm), "deepseek_v3": ("sigmoid_grouped", "none"),
+                "glm_moe_dsa": ("sigmoid_grouped", "none")}[family]
+    if (cfg.router, cfg.qk_norm) != expected or (cfg.attention_kind == "mla") != (family in _MLA_FAMILIES):
+        raise ValueError(f"config (router {cfg.router}, qk_norm {cfg.qk_norm}, attention {cfg.attention_kind}) "
+                         f"does not fit {family}")
     if family == "qwen3_moe":
         out.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.expert_dim, attention_bias=cfg.qkv_bias)
     elif family == "qwen2_moe":
@@ -120,7 +184,23 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         out.update(n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.expert_dim, n_group=cfg.n_groups,
                    topk_group=cfg.topk_groups, routed_scaling_factor=cfg.routed_scaling_factor,
                    n_shared_experts=cfg.n_shared_experts, first_k_dense_replace=cfg.first_k_dense,
-                   attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
+                   attention_bias=cfg.qkv_bias)
+        if family in _MLA_FAMILIES:
+            del out["head_dim"]  # transformers derives it (= qk_rope_head_dim)
+            out.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                       qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                       v_head_dim=cfg.v_head_dim)
+            if family == "deepseek_v3":
+                out.update(rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=0)
+            else:
+                if not cfg.rope_interleave or not cfg.index_topk:
+                    raise ValueError("glm_moe_dsa has interleaved RoPE and an indexer; this config has "
+                                     f"rope_interleave = {cfg.rope_interleave}, index_topk = {cfg.index_topk}")
+                out.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_n_heads,
+                           index_head_dim=cfg.index_head_dim, indexer_types=["full"] * cfg.n_layers,
+                           mlp_layer_types=["dense"] * cfg.first_k_dense + ["sparse"] * cfg.n_moe_layers)
+        else:
+            out["use_qk_norm"] = cfg.qk_norm == "head"
     return out
 
 
@@ -202,14 +282,10 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     blocks = {}
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        attn = {"q_proj": _linear(t, p + "self_attn.q_proj", d, q_dim, cfg.qkv_bias),
-                "k_proj": _linear(t, p + "self_attn.k_proj", d, kv_dim, cfg.qkv_bias),
-                "v_proj": _linear(t, p + "self_attn.v_proj", d, kv_dim, cfg.qkv_bias),
-                "o_proj": _linear(t, p + "self_attn.o_proj", q_dim, d, False)}
-        if cfg.qk_norm != "none":
-            dims = (hd, hd) if cfg.qk_norm == "head" else (q_dim, kv_dim)
-            attn["q_norm"] = {"scale": t.take(p + "self_attn.q_norm.weight", (dims[0],))}
-            attn["k_norm"] = {"scale": t.take(p + "self_attn.k_norm.weight", (dims[1],))}
+        if cfg.attention_kind == "mla":
+            attn = _mla_params(t, p + "self_attn.", cfg)
+        else:
+            attn = _gqa_params(t, p, cfg, q_dim, kv_dim)
         block = {"attn": attn, "attn_norm": {"scale": t.take(p + "input_layernorm.weight", (d,))},
                  "mlp_norm": {"scale": t.take(p + "post_attention_layernorm.weight", (d,))}}
         if i in cfg.moe_layers:
@@ -240,6 +316,65 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     return params
 
 
+# transformers' MLA parameter names -> jaxalign's (model/mla.py)
+_MLA_NAMES = (("q_proj", "q_proj"), ("q_a_proj", "q_a_proj"), ("q_b_proj", "q_b_proj"),
+              ("kv_a_proj_with_mqa", "kv_a_proj"), ("kv_b_proj", "kv_b_proj"), ("o_proj", "o_proj"))
+_MLA_NORMS = (("q_a_layernorm", "q_a_norm"), ("kv_a_layernorm", "kv_a_norm"))
+
+
+def _mla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    h, qk = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    shapes = {"kv_a_proj": (cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+              "kv_b_proj": (cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+              "o_proj": (h * cfg.v_head_dim, cfg.d_model)}
+    if cfg.q_lora_rank is None:
+        shapes["q_proj"] = (cfg.d_model, h * qk)
+    else:
+        shapes.update(q_a_proj=(cfg.d_model, cfg.q_lora_rank), q_b_proj=(cfg.q_lora_rank, h * qk))
+    return shapes
+
+
+def _mla_params(t: _Tensors, prefix: str, cfg: ModelConfig) -> dict:
+    shapes = _mla_shapes(cfg)
+    attn = {ours: _linear(t, prefix + theirs, *shapes[ours], False) for theirs, ours in _MLA_NAMES if ours in shapes}
+    for theirs, ours in _MLA_NORMS:
+        if ours != "q_a_norm" or cfg.q_lora_rank is not None:
+            dim = cfg.kv_lora_rank if ours == "kv_a_norm" else cfg.q_lora_rank
+            attn[ours] = {"scale": t.take(prefix + theirs + ".weight", (dim,))}
+    if cfg.index_topk:
+        h, d, ix = cfg.index_n_heads, cfg.index_head_dim, prefix + "indexer."
+        attn["indexer"] = {"wq_b": _linear(t, ix + "wq_b", cfg.q_lora_rank, h * d, False),
+                           "wk": _linear(t, ix + "wk", cfg.d_model, d, False),
+                           "k_norm_scale": t.take(ix + "k_norm.weight", (d,)),
+                           "k_norm_bias": t.take(ix + "k_norm.bias", (d,)),
+                           "weights_proj": _linear(t, ix + "weights_proj", cfg.d_model, h, False)}
+    return attn
+
+
+def _mla_to_hf(attn: dict, prefix: str) -> dict[str, np.ndarray]:
+    out = {f"{prefix}{theirs}.weight": attn[ours]["w"].T for theirs, ours in _MLA_NAMES if attn.get(ours)}
+    out.update({f"{prefix}{theirs}.weight": attn[ours]["scale"] for theirs, ours in _MLA_NORMS if attn.get(ours)})
+    if attn.get("indexer"):
+        ix, pre = attn["indexer"], prefix + "indexer."
+        out.update({pre + "wq_b.weight": ix["wq_b"]["w"].T, pre + "wk.weight": ix["wk"]["w"].T,
+                    pre + "k_norm.weight": ix["k_norm_scale"], pre + "k_norm.bias": ix["k_norm_bias"],
+                    pre + "weights_proj.weight": ix["weights_proj"]["w"].T})
+    return out
+
+
+def _gqa_params(t: _Tensors, p: str, cfg: ModelConfig, q_dim: int, kv_dim: int) -> dict:
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = {"q_proj": _linear(t, p + "self_attn.q_proj", d, q_dim, cfg.qkv_bias),
+            "k_proj": _linear(t, p + "self_attn.k_proj", d, kv_dim, cfg.qkv_bias),
+            "v_proj": _linear(t, p + "self_attn.v_proj", d, kv_dim, cfg.qkv_bias),
+            "o_proj": _linear(t, p + "self_attn.o_proj", q_dim, d, False)}
+    if cfg.qk_norm != "none":
+        dims = (hd, hd) if cfg.qk_norm == "head" else (q_dim, kv_dim)
+        attn["q_norm"] = {"scale": t.take(p + "self_attn.q_norm.weight", (dims[0],))}
+        attn["k_norm"] = {"scale": t.take(p + "self_attn.k_norm.weight", (dims[1],))}
+    return attn
+
+
 def load(path: str) -> Transformer:
     """A jaxalign Transformer (f32 masters) from a transformers checkpoint directory; `.config` is its
     ModelConfig."""
@@ -266,7 +401,9 @@ def tensors_to_hf(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
     family = "qwen3_moe" if cfg.family == "jaxalign" else cfg.family
     for i in range(cfg.n_layers):
         b, pre = p["blocks"][i], f"model.layers.{i}."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if cfg.attention_kind == "mla":
+            out.update(_mla_to_hf(b["attn"], pre + "self_attn."))
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj") if cfg.attention_kind == "gqa" else ():
             out[f"{pre}self_attn.{name}.weight"] = b["attn"][name]["w"].T
             if "b" in b["attn"][name]:
                 out[f"{pre}self_attn.{name}.bias"] = b["attn"][name]["b"]
@@ -314,6 +451,8 @@ def save(model: Transformer, path: str, dtype=np.float32) -> None:
 _FAMILY_OVERRIDES = {
     "mixtral": ",gate=f32",  # Mixtral keeps the top-k routing weights in float32
     "glm4_moe": ",router=f32,gate=f32",  # router weight/bias kept in f32; f32 weights times bf16 expert outputs
+    "deepseek_v3": ",router=f32,gate=f32",  # the same router (weight and bias kept in f32)
+    "glm_moe_dsa": ",router=f32,gate=f32",  # the indexer's scores are float32 in transformers (index=f32)
 }
 
 

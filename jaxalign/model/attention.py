@@ -17,8 +17,12 @@ K_CACHE_AXES = ("cache_batch", "cache_kv_heads", None, "cache_seq")
 V_CACHE_AXES = ("cache_batch", "cache_kv_heads", "cache_seq", None)
 
 
-def empty_kv_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """One layer's zeroed (keys, values) cache for `batch` rows of `cache_len` slots, in the layout above."""
+def empty_kv_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype):
+    """One layer's zeroed (keys, values) cache for `batch` rows of `cache_len` slots, in the layout above; for an
+    MLA model the latent cache (`model/mla.py`)."""
+    if cfg.attention_kind == "mla":
+        from jaxalign.model.mla import empty_latent_cache
+        return empty_latent_cache(cfg, batch, cache_len, dtype)
     keys = jnp.zeros((batch, cfg.n_kv_heads, cfg.head_dim, cache_len), dtype)
     values = jnp.zeros((batch, cfg.n_kv_heads, cache_len, cfg.head_dim), dtype)
     return constrain(keys, K_CACHE_AXES), constrain(values, V_CACHE_AXES)

@@ -10,6 +10,12 @@ from typing import Any
 
 ROUTERS = ("softmax_topk", "sigmoid_grouped")
 QK_NORMS = ("none", "head", "proj")
+ATTENTION_KINDS = ("gqa", "mla")
+# fields of multi-head latent attention; left out of `to_dict` for GQA models so their fingerprints stay as before
+_MLA_FIELDS = ("attention_kind", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "rope_interleave")
+# fields of the DeepSeek sparse attention indexer (GLM-5); left out of `to_dict` without an indexer
+_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,6 +26,16 @@ class ModelConfig:
     renormalisation (`norm_topk_prob`). `sigmoid_grouped` (DeepSeek-V3, GLM-4.5): sigmoid scores, a selection-only
     bias, group-limited top-k (`n_groups`, `topk_groups`, group score = sum of its top-2), weights from the
     bias-free scores, optional renormalisation, times `routed_scaling_factor`.
+
+    Attention kinds: `gqa` (grouped-query attention over per-head K/V) and `mla` (DeepSeek-V3 multi-head latent
+    attention: keys and values are up-projected from a `kv_lora_rank` latent plus one shared `qk_rope_head_dim`
+    rope key; queries optionally through a `q_lora_rank` bottleneck). Under `mla`, head_dim is the q.k head dim
+    (qk_nope_head_dim + qk_rope_head_dim), every head has its own keys (n_kv_heads = n_heads) and RoPE rotates
+    the rope slice only, interleaved pairs when `rope_interleave`.
+
+    DeepSeek sparse attention (GLM-5, `index_topk` > 0, MLA with a q bottleneck): an indexer per layer
+    (`index_n_heads` heads of `index_head_dim`) scores every visible key and each query attends only to its
+    `index_topk` best.
     """
 
     family: str = "jaxalign"
@@ -49,6 +65,16 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 256
     rms_eps: float = 1e-6
+    attention_kind: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dense_mlp_dim",
@@ -96,6 +122,49 @@ class ModelConfig:
         if self.rope_theta <= 0 or self.rms_eps <= 0:
             raise ValueError(f"ModelConfig.rope_theta = {self.rope_theta}, rms_eps = {self.rms_eps}; "
                              f"allowed: positive floats")
+        self._check_mla()
+        self._check_dsa()
+
+    def _check_dsa(self) -> None:
+        for name in _DSA_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{name} = {value!r}; allowed: an int >= 0")
+        if self.index_topk == 0:
+            return
+        if self.attention_kind != "mla" or self.q_lora_rank is None:
+            raise ValueError("ModelConfig.index_topk > 0 (DeepSeek sparse attention) needs attention_kind='mla' "
+                             "with a q_lora_rank (the indexer reads the q latent)")
+        if self.index_n_heads <= 0 or self.index_head_dim < self.qk_rope_head_dim or self.index_head_dim % 2:
+            raise ValueError(f"ModelConfig.index_n_heads = {self.index_n_heads}, index_head_dim = "
+                             f"{self.index_head_dim}; allowed: index_n_heads > 0 and an even index_head_dim >= "
+                             f"qk_rope_head_dim = {self.qk_rope_head_dim}")
+
+    def _check_mla(self) -> None:
+        if self.attention_kind not in ATTENTION_KINDS:
+            raise ValueError(f"ModelConfig.attention_kind = {self.attention_kind!r}; allowed: "
+                             f"{', '.join(ATTENTION_KINDS)}")
+        if self.attention_kind == "gqa":
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} = {value!r}; allowed under attention_kind='mla': a positive int")
+        q = self.q_lora_rank
+        if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q <= 0):
+            raise ValueError(f"ModelConfig.q_lora_rank = {q!r}; allowed: None (a plain q projection) or a positive int")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"ModelConfig.qk_rope_head_dim = {self.qk_rope_head_dim}; allowed: an even number")
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ValueError(f"ModelConfig.head_dim = {self.head_dim}; under attention_kind='mla' it is the q.k head "
+                             f"dim, allowed: qk_nope_head_dim + qk_rope_head_dim = "
+                             f"{self.qk_nope_head_dim + self.qk_rope_head_dim}")
+        if self.n_kv_heads != self.n_heads:
+            raise ValueError(f"ModelConfig.n_kv_heads = {self.n_kv_heads}; under attention_kind='mla' every head "
+                             f"has its own keys, allowed: n_heads = {self.n_heads}")
+        if self.qk_norm != "none" or self.qkv_bias or self.partial_rotary_factor != 1.0:
+            raise ValueError("ModelConfig: attention_kind='mla' has no qk_norm, qkv_bias or partial_rotary_factor; "
+                             "allowed: qk_norm='none', qkv_bias=False, partial_rotary_factor=1.0")
 
     # ----------------------------------------------------------------------------------------------------------
     @property
@@ -106,6 +175,8 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """How many leading dims of each head RoPE rotates (GLM-4.5 rotates half)."""
+        if self.attention_kind == "mla":
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -114,8 +185,15 @@ class ModelConfig:
         return len(self.moe_layers)
 
     def to_dict(self) -> dict[str, Any]:
-        """Field name -> value (JSON-serialisable)."""
-        return dataclasses.asdict(self)
+        """Field name -> value (JSON-serialisable); the MLA fields only for an MLA model."""
+        out = dataclasses.asdict(self)
+        if self.attention_kind == "gqa":
+            for name in _MLA_FIELDS:
+                del out[name]
+        if self.index_topk == 0:
+            for name in _DSA_FIELDS:
+                del out[name]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -136,7 +214,7 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
         """A named preset: tiny, small, bench, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, tiny-olmoe,
-        tiny-glm4-moe."""
+        tiny-glm4-moe, tiny-deepseek-v3, tiny-glm5."""
         if name not in _PRESETS:
             raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(_PRESETS)}")
         return _PRESETS[name]
@@ -169,4 +247,20 @@ _PRESETS: dict[str, ModelConfig] = {
                                  n_groups=4, topk_groups=2, routed_scaling_factor=2.5, norm_topk_prob=True,
                                  n_shared_experts=1, shared_expert_dim=16, first_k_dense=1,
                                  partial_rotary_factor=0.5),
+    # DeepSeek-V3 / Kimi K2: MLA (q through a rank-16 bottleneck, a rank-16 KV latent, interleaved rope on 8 dims)
+    # and the GLM-4.5 sigmoid grouped router with a shared expert and a dense first layer
+    "tiny-deepseek-v3": ModelConfig(**{**_TINY, "n_layers": 3, "n_kv_heads": 4, "head_dim": 16},
+                                    family="deepseek_v3", router="sigmoid_grouped", n_groups=4, topk_groups=2,
+                                    routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+                                    shared_expert_dim=16, first_k_dense=1, attention_kind="mla", q_lora_rank=16,
+                                    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                    rope_interleave=True),
+    # GLM-5 (transformers glm_moe_dsa): the same MLA + MoE with a DSA indexer (2 heads of 16, rope on the first 8
+    # dims, interleaved) choosing 6 keys per query; the main attention's rope is interleaved too
+    "tiny-glm5": ModelConfig(**{**_TINY, "n_layers": 3, "n_kv_heads": 4, "head_dim": 16}, family="glm_moe_dsa",
+                             router="sigmoid_grouped", n_groups=4, topk_groups=2, routed_scaling_factor=2.5,
+                             norm_topk_prob=True, n_shared_experts=1, shared_expert_dim=16, first_k_dense=1,
+                             rms_eps=1e-5, attention_kind="mla", q_lora_rank=16, kv_lora_rank=16,
+                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, rope_interleave=True,
+                             index_topk=6, index_n_heads=2, index_head_dim=16),
 }

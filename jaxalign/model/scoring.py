@@ -19,11 +19,12 @@ from jaxalign.numerics.schedule import PolicySchedule, policy_for
 
 def sequence_logprobs(model: Transformer, tokens: jax.Array, policy: NumericPolicy, *, replay=None,
                       sampling: SamplingParams | None = None, temperature: float | None = None,
-                      top_k: int | None = None, top_p: float | None = None):
+                      top_k: int | None = None, top_p: float | None = None, index_replay=None):
     """Traceable core of `token_logprobs` (use inside jit/grad): (logprobs [B, S-1], RoutingRecord)."""
     sampling = SamplingParams.from_args(sampling, temperature, top_k, top_p)
-    logits, record = model(tokens, policy=policy, replay=replay)
+    logits, record = model(tokens, policy=policy, replay=replay, index_replay=index_replay)
     lp = reported_logprobs(logits[:, :-1], policy_for(policy, "head"), sampling)
+
     return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], record
 
 
@@ -52,14 +53,17 @@ def forward(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy", "sampling"))
-def _jitted(graphdef, state, tokens, replay, *, policy, sampling):
-    return sequence_logprobs(nnx.merge(graphdef, state), tokens, policy, replay=replay, sampling=sampling)
+def _jitted(graphdef, state, tokens, replay, index_replay, *, policy, sampling):
+    return sequence_logprobs(nnx.merge(graphdef, state), tokens, policy, replay=replay, sampling=sampling,
+                             index_replay=index_replay)
 
 
 def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, *,
                    replay: RoutingRecord | jax.Array | None = None, sampling: SamplingParams | None = None,
                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                   mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, RoutingRecord]:
+                   mesh: jax.sharding.Mesh | None = None,
+                   index_replay=None) -> tuple[jax.Array, RoutingRecord]:
+
     """Logprob of each next token, [batch, seq-1], and the routing record of the forward pass.
 
     `tokens[:, t+1]` is scored given `tokens[:, :t+1]`, under the same distribution the engine samples from
@@ -67,6 +71,8 @@ def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySch
     its shorthand `temperature`/`top_k`/`top_p` (default temperature 1). Compiled once per (model structure,
     policy, sampling params, shape).
     `mesh`: run sharded on it (parameters and batch split as `model/sharding.py` says).
+    `index_replay` (DSA models): key positions [batch, seq, layers, index_topk] each query attends to (index
+    replay; a row whose first entry is -1 keeps the trainer's own selection).
     """
     if not isinstance(policy, (NumericPolicy, PolicySchedule)):
         raise ValueError(f"policy must be a NumericPolicy (or PolicySchedule), got {type(policy).__name__}; "
@@ -85,7 +91,16 @@ def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySch
         if int(np.max(replay_idx)) >= cfg.n_experts:
             raise ValueError(f"replay indices reach {int(np.max(replay_idx))}; allowed: -1..{cfg.n_experts - 1}")
         replay_idx = put_batch(np.asarray(replay_idx, np.int32), mesh)
+    if index_replay is not None:
+        cfg = model.config
+        expected = (arr.shape[0], arr.shape[1], cfg.n_layers, cfg.index_topk)
+        if not cfg.index_topk or tuple(np.shape(index_replay)) != expected:
+            raise ValueError(f"index_replay has shape {tuple(np.shape(index_replay))}; expected "
+                             f"{expected if cfg.index_topk else 'none (this model has no DSA indexer)'}"
+                             f" = [batch, seq, layers, index_topk]")
+        index_replay = put_batch(np.asarray(index_replay, np.int32), mesh)
     graphdef, state = on_mesh(model, mesh)
     with mesh_context(mesh):
-        return _jitted(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh), replay_idx, policy=policy,
-                       sampling=sampling)
+        return _jitted(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh), replay_idx, index_replay,
+                       policy=policy, sampling=sampling)
+

@@ -11,6 +11,7 @@ from jaxalign.align.replay import RoutingRecord
 from jaxalign.model.attention import Attention
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Embedding, Linear, RMSNorm
+from jaxalign.model.mla import MLAttention
 from jaxalign.model.moe import MoE
 from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, as_compute, as_param
@@ -27,22 +28,26 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = MLAttention(cfg, rngs=rngs) if cfg.attention_kind == "mla" else Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else DenseMLP(cfg.d_model, cfg.dense_mlp_dim, rngs=rngs)
         self.is_moe = moe
 
-    def __call__(self, x, positions, policy, kv=None, replay=None, layer: int = 0):
+    def __call__(self, x, positions, policy, kv=None, replay=None, layer: int = 0, index_replay=None):
         attn_policy, mlp_policy = policy_for(policy, "attn", layer), policy_for(policy, "mlp", layer)
         x = as_compute(x, attn_policy)  # a no-op unless a PolicySchedule changes dtype between parts
-        h, kv = self.attn(self.attn_norm(x, attn_policy), positions, attn_policy, kv)
+        selection = None
+        if isinstance(self.attn, MLAttention):
+            h, kv, selection = self.attn(self.attn_norm(x, attn_policy), positions, attn_policy, kv, index_replay)
+        else:
+            h, kv = self.attn(self.attn_norm(x, attn_policy), positions, attn_policy, kv)
         x = x + h
         routing = None
         if self.is_moe:
             h, routing = self.mlp(self.mlp_norm(x, mlp_policy), mlp_policy, replay)
         else:
             h = self.mlp(self.mlp_norm(x, mlp_policy), mlp_policy)
-        return x + h, kv, routing
+        return x + h, kv, routing, selection
 
 
 def check_tokens(tokens, cfg: ModelConfig, name: str = "tokens") -> np.ndarray:
@@ -77,17 +82,21 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, policy: NumericPolicy | PolicySchedule,
                  positions: jax.Array | None = None,
-                 replay: RoutingRecord | jax.Array | None = None) -> tuple[jax.Array, RoutingRecord]:
+                 replay: RoutingRecord | jax.Array | None = None,
+                 index_replay: jax.Array | None = None) -> tuple[jax.Array, RoutingRecord]:
         """Full (teacher-forced) forward. `replay`: a RoutingRecord or indices [B, S, moe_layers, k].
+        `index_replay` (DSA models): key positions [B, S, layers, index_topk] each query attends to.
         `policy` may be a PolicySchedule giving parts of the model other policies."""
         if not isinstance(tokens, jax.core.Tracer):
             check_tokens(tokens, self.config)
-        logits, routing, _ = self.forward(tokens, policy, positions=positions, replay=replay)
+        logits, routing, _ = self.forward(tokens, policy, positions=positions, replay=replay,
+                                          index_replay=index_replay)
         return logits, routing
 
     def forward(self, tokens, policy: NumericPolicy, *, positions=None, kv: list[KV] | None = None,
-                replay=None):
-        """Forward with an optional per-layer KV cache. Returns (logits, RoutingRecord, new kv or None)."""
+                replay=None, index_replay=None):
+        """Forward with an optional per-layer KV cache. Returns (logits, RoutingRecord, new kv or None); under
+        DSA the record carries the indexer's selections (`index_positions`, `index_margins`)."""
         cfg = self.config
         require_exact_rounding(policy)  # at trace time: once per compiled program
         b, s = tokens.shape
@@ -97,18 +106,29 @@ class Transformer(nnx.Module):
         if replay_idx is not None and tuple(replay_idx.shape) != (b, s, cfg.n_moe_layers, cfg.top_k):
             raise ValueError(f"replay indices have shape {tuple(replay_idx.shape)}; expected "
                              f"{(b, s, cfg.n_moe_layers, cfg.top_k)} = [batch, seq, moe_layers, k]")
+        if index_replay is not None:
+            if not cfg.index_topk:
+                raise ValueError("index_replay given, but this model has no DSA indexer (index_topk = 0)")
+            expected = (b, s, cfg.n_layers, cfg.index_topk)
+            if tuple(index_replay.shape) != expected:
+                raise ValueError(f"index_replay has shape {tuple(index_replay.shape)}; expected {expected} = "
+                                 f"[batch, seq, layers, index_topk]")
         x = constrain(self.embed(tokens, policy_for(policy, "embed")), ACTIVATION)
-        new_kv, records = [], []
+        new_kv, records, selections = [], [], []
         for i, block in enumerate(self.blocks):
             layer_replay = None
             if block.is_moe and replay_idx is not None:
                 layer_replay = replay_idx[:, :, len(records)]
             layer_kv = None if kv is None else kv[i]
-            x, layer_kv, routing = block(x, positions, policy, layer_kv, layer_replay, layer=i)
+            layer_index = None if index_replay is None else index_replay[:, :, i]
+            x, layer_kv, routing, selection = block(x, positions, policy, layer_kv, layer_replay, layer=i,
+                                                    index_replay=layer_index)
             x = constrain(x, ACTIVATION)
             new_kv.append(layer_kv)
             if routing is not None:
                 records.append(routing)
+            if selection is not None:
+                selections.append(selection)
         head = policy_for(policy, "head")
         x = self.final_norm(x, head)
         if self.lm_head is None:
@@ -118,5 +138,7 @@ class Transformer(nnx.Module):
         logits = constrain(logits, ("batch", "seq", "act_vocab"))
         record = RoutingRecord(indices=jnp.stack([r[0] for r in records], axis=2),
                                weights=jnp.stack([r[1] for r in records], axis=2),
-                               margins=jnp.stack([r[2] for r in records], axis=2))
+                               margins=jnp.stack([r[2] for r in records], axis=2),
+                               index_positions=jnp.stack([c[0] for c in selections], axis=2) if selections else None,
+                               index_margins=jnp.stack([c[1] for c in selections], axis=2) if selections else None)
         return logits, record, (None if kv is None else new_kv)

@@ -20,16 +20,21 @@ from jaxalign.numerics.reduce import pad_to_tree_width, reduce_sum, tree_sum
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy,
-         rotary_dim: int | None = None) -> jax.Array:
+         rotary_dim: int | None = None, interleaved: bool = False) -> jax.Array:
     """Rotate-half RoPE on the first `rotary_dim` dims (default all) of x [B, S, H, D] at positions [B, S];
     rotation in `rope_dtype`, the other dims pass through.
 
     cos/sin are computed in float32 (as transformers does) and cast to `rope_dtype` before the rotation.
+    `interleaved` (DeepSeek): pairs (x0, x1), (x2, x3), ... share a frequency; the dims are de-interleaved (evens,
+    then odds: an exact permutation) and rotated half-wise, so the result comes out in transformers'
+    `apply_rotary_pos_emb_interleave` layout.
     """
     d = rotary_dim or x.shape[-1]
     if d < x.shape[-1]:
         passed = as_compute(x[..., d:], policy)
-        return jnp.concatenate([rope(x[..., :d], positions, theta, policy), passed], axis=-1)
+        return jnp.concatenate([rope(x[..., :d], positions, theta, policy, interleaved=interleaved), passed], axis=-1)
+    if interleaved:
+        x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
@@ -111,12 +116,14 @@ def _tree_pv(policy: NumericPolicy, p: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-              policy: NumericPolicy) -> jax.Array:
+              policy: NumericPolicy, scale: float | None = None, allowed: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention.
 
-    q [B, Q, H, D] (compute dtype), k [B, KVH, D, K] and v [B, KVH, K, D] (kv-cache dtype, laid out as the
-    engine's cache), q_pos [B, Q], k_pos [B, K] positions.
-    Returns [B, Q, H, D] in the compute dtype.
+    q [B, Q, H, D] (compute dtype), k [B, KVH, D, K] and v [B, KVH, K, Dv] (kv-cache dtype, laid out as the
+    engine's cache), q_pos [B, Q], k_pos [B, K] positions. `scale` multiplies the scores (default D ** -0.5;
+    absorbed MLA passes the expanded q.k head dim's). `allowed` [B, Q, K] (sparse attention): only these keys
+    are visible, besides the causal mask.
+    Returns [B, Q, H, Dv] in the compute dtype.
     """
     b, nq, h, d = q.shape
     kvh = k.shape[1]
@@ -124,39 +131,50 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     q = local_reduce(q, policy, (3,))
     k, v = local_reduce(k, policy, (2, 3)), local_reduce(v, policy, (2,))
     qg = q.reshape(b, nq, kvh, h // kvh, d)
-    visible = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None, None]  # [B, 1, 1, Q, K]
+    visible = k_pos[:, None, :] <= q_pos[:, :, None]
+    if allowed is not None:
+        visible = visible & allowed
+    visible = visible[:, None, None]  # [B, 1, 1, Q, K]
     chunk = policy.attention_chunk
+    scale = d ** -0.5 if scale is None else scale
     if chunk is not None and policy.pallas_blocks is not None:
+        if allowed is not None or scale != d ** -0.5 or v.shape[-1] != d:
+            raise ValueError(f"NumericPolicy.matmul_kernel = {policy.matmul_kernel!r} with attention = "
+                             f"{policy.attention!r}: the Pallas attention kernel computes standard causal attention "
+                             f"(scale head_dim ** -0.5, values as wide as keys, no sparse key selection); this "
+                             f"model's attention (MLA or DSA) needs kernel=tiled:T or attn=full")
         out = pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy,
-                                       lambda qg, k, v: _chunked(qg, k, v, visible, policy, chunk))
+                                       lambda qg, k, v: _chunked(qg, k, v, visible, policy, chunk, scale))
     else:
-        out = (_full(qg, k, v, visible, policy) if chunk is None
-               else _chunked(qg, k, v, visible, policy, chunk))
-    return as_compute(out.reshape(b, nq, h, d), policy)
+        out = (_full(qg, k, v, visible, policy, scale) if chunk is None
+               else _chunked(qg, k, v, visible, policy, chunk, scale))
+    return as_compute(out.reshape(b, nq, h, v.shape[-1]), policy)
 
 
-def _masked_scores(qg, k, visible, policy):
+
+def _masked_scores(qg, k, visible, policy, scale):
     """Scores rounded to `attn_scores_dtype`, times the scale (a float32 scalar, product rounded to
     `attn_scores_dtype` again), then in `attn_softmax_dtype`, masked with -inf."""
-    scale = jnp.float32(qg.shape[-1] ** -0.5)
+    scale = jnp.float32(scale)
     rounded = cast(_scores(qg, k, policy), policy.attn_scores_dtype).astype(jnp.float32)
     s = cast(cast(rounded * scale, policy.attn_scores_dtype), policy.attn_softmax_dtype)
     return jnp.where(visible, s, jnp.asarray(-jnp.inf, s.dtype))
 
 
-def _full(qg, k, v, visible, policy):
+def _full(qg, k, v, visible, policy, scale):
     """Softmax over all keys, normalised before the value product (as transformers' eager attention)."""
-    s = _masked_scores(qg, k, visible, policy)
+    s = _masked_scores(qg, k, visible, policy, scale)
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     e = precision.exp(s - m, policy)
     p = e / reduce_sum(e, policy, axis=-1, keepdims=True)
     return _weighted_values(as_compute(p, policy), v, policy)
 
 
-def _chunked(qg, k, v, visible, policy, chunk):
+def _chunked(qg, k, v, visible, policy, chunk, scale):
     """Online softmax over fixed chunks of `chunk` keys starting at slot 0 (flash / split-KV style)."""
     sdt = dtype(policy.attn_softmax_dtype)
     b, kvh, d, nk = k.shape
+    dv = v.shape[-1]
     pad = (-nk) % chunk
     if pad:
         k = jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, pad)))
@@ -164,14 +182,14 @@ def _chunked(qg, k, v, visible, policy, chunk):
         visible = jnp.pad(visible, [(0, 0)] * 4 + [(0, pad)])
     n_chunks = (nk + pad) // chunk
     ks = jnp.moveaxis(k.reshape(b, kvh, d, n_chunks, chunk), 3, 0)
-    vs = jnp.moveaxis(v.reshape(b, kvh, n_chunks, chunk, d), 2, 0)
+    vs = jnp.moveaxis(v.reshape(b, kvh, n_chunks, chunk, dv), 2, 0)
     vis = jnp.moveaxis(visible.reshape(*visible.shape[:4], n_chunks, chunk), 4, 0)
     bq = qg.shape[:1] + (qg.shape[2], qg.shape[3], qg.shape[1])  # [B, KVH, G, Q]
 
     def step(carry, xs):
         m, l, acc = carry
         kc, vc, visc = xs
-        s = _masked_scores(qg, kc, visc, policy)
+        s = _masked_scores(qg, kc, visc, policy, scale)
         m_new = jnp.maximum(m, lax.stop_gradient(jnp.max(s, axis=-1)))
         safe_m = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
         corr = precision.exp(m - safe_m, policy)
@@ -182,6 +200,6 @@ def _chunked(qg, k, v, visible, policy, chunk):
         return (m_new, l, acc), None
 
     init = (jnp.full(bq, -jnp.inf, sdt), jnp.zeros(bq, sdt),
-            jnp.zeros(qg.shape, jnp.float32))
+            jnp.zeros(qg.shape[:-1] + (dv,), jnp.float32))
     (m, l, acc), _ = lax.scan(step, init, (ks, vs, vis))
     return acc / jnp.transpose(l, (0, 3, 1, 2))[..., None].astype(jnp.float32)

@@ -128,6 +128,13 @@ FIELDS: dict[str, _Field] = {
                            "sums over an axis split across devices: xla = the partitioner's partial sums and "
                            "all-reduce (order depends on the mesh); ordered = the axis is gathered first and summed "
                            "on one device in the single-device order (bitwise equal to one device for any mesh)"),
+    "mla": _Field("mla", "expanded|absorbed", _one_of("expanded", "absorbed"),
+                  "multi-head latent attention (MLA models only): expanded = keys and values up-projected per head "
+                  "from the latent (trainers); absorbed = the key up-projection folded into the query, attention "
+                  "over the latent itself, the value up-projection after it (serving engines)"),
+    "index_scores_dtype": _Field("index", "f32|bf16|f16", _one_of(*DTYPES),
+                                 "dtype of the DSA indexer's q.k scores, head weights and weighted sum, from which "
+                                 "its top-k picks the keys each query attends to (DSA models only)"),
 }
 _BY_KEY = {f.key: name for name, f in FIELDS.items()}
 
@@ -158,6 +165,8 @@ class NumericPolicy:
     logits_dtype: str = "f32"
     lora: str = "merged"
     cross_device: str = "xla"
+    mla: str = "expanded"
+    index_scores_dtype: str = "f32"
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():
@@ -261,15 +270,16 @@ PRESETS: dict[str, NumericPolicy] = {
     # sorted (grouped-matmul) expert dispatch, f32 combine.
     "train-bf16": _bf16_compute(dispatch="sorted"),
     # A fast serving engine: bf16 router and gate weights, bf16 combine, flash-decoding style chunked attention,
-    # bf16 logits.
+    # bf16 logits, absorbed MLA.
     "serve-bf16": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
-                                combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16"),
+                                combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16",
+                                mla="absorbed"),
     # The fast bf16 serving baseline the cost of alignment is measured against (benchmarks/alignment_cost.py):
     # serve-bf16 with only the selected experts' rows multiplied (bucketed dispatch, nothing dropped), as
     # serving engines' fused MoE kernels do; attention stays flash-decoding style (chunked).
     "serve-fast-bf16": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
                                      combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16",
-                                     dispatch="bucketed"),
+                                     dispatch="bucketed", mla="absorbed"),
     # The fast bf16 training baseline: train-bf16 with a grouped GEMM that runs only the selected experts on
     # this backend (bucketed dispatch; train-bf16's lax.ragged_dot runs densely over all experts on XLA:CPU).
     "train-fast-bf16": _bf16_compute(dispatch="bucketed"),

@@ -105,6 +105,22 @@ def rms_norm(x: jax.Array, weight: jax.Array, policy: NumericPolicy, eps: float)
     return with_parameter(scale, policy)(normed, weight)
 
 
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, policy: NumericPolicy, eps: float) -> jax.Array:
+    """LayerNorm over the last axis (the DSA indexer's key norm): mean and variance in `norm_dtype`, then
+    times the weight plus the bias in the compute dtype."""
+    xn = cast(x, policy.norm_dtype)
+    width = xn.shape[-1]
+    centred = xn - expand(reduce_sum(xn, policy, axis=-1, keepdims=True) / width, -1, width, policy)
+    squares = centred * centred
+    if policy.reduction == "tree":
+        squares = jax.lax.optimization_barrier(squares)  # no a*a + b*b contracted into an FMA (see rms_norm)
+    var = reduce_sum(squares, policy, axis=-1, keepdims=True) / width
+    normed = centred * expand(jax.lax.rsqrt(var + jnp.asarray(eps, xn.dtype)), -1, width, policy)
+    affine = lambda n, w, b: (as_compute(n, policy) * as_compute(as_param(w, policy), policy)  # noqa: E731
+                              + as_compute(as_param(b, policy), policy))
+    return with_parameter(affine, policy)(normed, weight, bias)
+
+
 def global_norm(tree, policy: NumericPolicy) -> jax.Array:
     """The L2 norm of every array in a pytree together (float32), e.g. for gradient clipping.
 

@@ -1,0 +1,112 @@
+"""Multi-head latent attention (DeepSeek-V3, GLM-5): projections, the latent KV cache, and the form the policy
+picks (`jaxalign.numerics.mla`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxalign.model.config import ModelConfig
+from jaxalign.model.layers import Linear, RMSNorm
+from jaxalign.model.sharding import constrain
+from jaxalign.numerics import NumericPolicy, cast
+from jaxalign.numerics.attention import rope
+from jaxalign.numerics.indexer import index_scores, replayed_keys, select_keys
+from jaxalign.numerics.mla import mla_attention
+
+# the engine's MLA cache: [B, 1, kv_lora_rank + qk_rope_head_dim (+ index_head_dim), M] (latent rows, the rope
+# key, and under DSA the indexer key; slots last)
+LATENT_CACHE_AXES = ("cache_batch", None, None, "cache_seq")
+# transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+def cache_rows(cfg: ModelConfig) -> int:
+    """Numbers cached per slot and layer: the latent, the rope key and (DSA) the indexer key."""
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_head_dim if cfg.index_topk else 0)
+
+
+def empty_latent_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype) -> jax.Array:
+    """One layer's zeroed latent cache for `batch` rows of `cache_len` slots."""
+    return constrain(jnp.zeros((batch, 1, cache_rows(cfg), cache_len), dtype), LATENT_CACHE_AXES)
+
+
+def latent_cache_bytes(cfg: ModelConfig, batch: int, cache_len: int, itemsize: int) -> int:
+    """Bytes of the latent caches of all layers."""
+    return cfg.n_layers * batch * cache_len * cache_rows(cfg) * itemsize
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention. Parameter names follow transformers' DeepseekV3Attention."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, qk = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(cfg.d_model, h * qk, ("embed", "q_heads"), rngs=rngs)
+            self.q_a_proj = self.q_a_norm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = Linear(cfg.d_model, cfg.q_lora_rank, ("embed", "unsharded"), rngs=rngs)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, "norm", rngs=rngs)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk, ("unsharded", "q_heads"), rngs=rngs)
+        self.kv_a_proj = Linear(cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim, ("embed", "unsharded"), rngs=rngs)
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, "norm", rngs=rngs)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), ("unsharded", "q_heads"),
+                                rngs=rngs)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.d_model, ("q_heads", "embed"), rngs=rngs)
+        if cfg.index_topk:
+            from jaxalign.model.dsa import Indexer
+            self.indexer = Indexer(cfg, rngs=rngs)
+        else:
+            self.indexer = None
+
+    def query_latent(self, x: jax.Array, policy: NumericPolicy) -> jax.Array | None:
+        """The normalised q bottleneck q_a_norm(q_a_proj(x)) (the DSA indexer reads it), or None without one."""
+        if self.q_a_proj is None:
+            return None
+        return self.q_a_norm(self.q_a_proj(x, policy), policy)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, policy: NumericPolicy, kv: jax.Array | None = None,
+                 index_replay: jax.Array | None = None):
+        """x [B, S, D], positions [B, S]; `kv` the latent cache [B, 1, rows, M] (written at slot = position,
+        then read whole). Under DSA, `index_replay` [B, S, index_topk] recorded key positions replace the
+        indexer's choice (rows whose first entry is -1 keep their own).
+        Returns (out [B, S, D], new cache or None, selection): selection is None without an indexer, else the
+        indexer's own (positions [B, S, index_topk] (-1 = fewer visible keys), margins [B, S])."""
+        cfg = self.cfg
+        b, s, _ = x.shape
+        nope, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        q_latent = self.query_latent(x, policy)
+        q = self.q_proj(x, policy) if q_latent is None else self.q_b_proj(q_latent, policy)
+        q = constrain(q.reshape(b, s, cfg.n_heads, nope + r), ("batch", "seq", "act_heads", None))
+        q_rope = rope(q[..., nope:], positions, cfg.rope_theta, policy, interleaved=cfg.rope_interleave)
+        q = jnp.concatenate([cast(q[..., :nope], policy.compute_dtype), q_rope], axis=-1)
+        compressed = self.kv_a_proj(x, policy)
+        latent = self.kv_a_norm(compressed[..., :cfg.kv_lora_rank], policy)
+        k_rope = rope(compressed[..., None, cfg.kv_lora_rank:], positions, cfg.rope_theta, policy,
+                      interleaved=cfg.rope_interleave)[:, :, 0]
+        parts = [latent, k_rope]
+        if self.indexer is not None:
+            parts.append(self.indexer.keys(x, positions, policy))
+        entry = cast(jnp.concatenate(parts, axis=-1), policy.kv_cache_dtype)  # [B, S, rows]
+        if kv is None:
+            cache, k_pos, new_kv = jnp.transpose(entry, (0, 2, 1))[:, None], positions, None
+        else:
+            rows = jnp.arange(b)[:, None]
+            cache = constrain(kv.at[rows, :, :, positions].set(entry[:, :, None], mode="drop"), LATENT_CACHE_AXES)
+            k_pos = jnp.broadcast_to(jnp.arange(cache.shape[-1]), (b, cache.shape[-1]))
+            new_kv = cache
+        allowed, selection = None, None
+        if self.indexer is not None:
+            index_keys = jnp.transpose(cache[:, 0, cfg.kv_lora_rank + r:], (0, 2, 1))  # [B, M, index_head_dim]
+            index_q, weights = self.indexer.queries(x, q_latent, positions, policy)
+            scores = index_scores(index_q, index_keys, weights, positions, k_pos, policy)
+            chosen, allowed, margins = select_keys(scores, k_pos, cfg.index_topk)
+            if index_replay is not None:
+                allowed = replayed_keys(index_replay, k_pos, allowed)
+            selection = (chosen, margins)
+        out = mla_attention(q, cache, self.kv_b_proj.w[...], positions, k_pos, policy, nope_dim=nope,
+                            v_dim=cfg.v_head_dim, allowed=allowed)
+        return self.o_proj(out.reshape(b, s, -1), policy), new_kv, selection

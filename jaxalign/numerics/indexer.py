@@ -1,0 +1,85 @@
+"""The DeepSeek sparse attention (DSA) indexer's scores and top-k under a NumericPolicy.
+
+index score(query, key) = sum_h w_h * relu(scale * q_h . k), w = weights_proj(x) * n_heads ** -0.5, in
+`index_scores_dtype` (products accumulated in float32, rounded to that dtype after the dot, the scale, the
+head weighting and the head sum). Invisible keys (position > the query's) score -inf. The top-k follows
+`lax.top_k` exactly (IEEE total order, ties to the lower slot), so trainer and engine pick the same keys from
+the same scores whatever their number of slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxalign.numerics import precision
+from jaxalign.numerics.dtypes import cast
+from jaxalign.numerics.policy import NumericPolicy
+
+
+def _sequential(a: jax.Array, b: jax.Array, axis_a: int, axis_b: int):
+    """sum_d a[.., d] * b[.., d] as a fixed sequential loop (the same order for every query and key count)."""
+    total = None
+    for d in range(a.shape[axis_a]):
+        term = jnp.take(a, d, axis=axis_a) * jnp.take(b, d, axis=axis_b)
+        total = term if total is None else total + term
+    return total
+
+
+def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+                 policy: NumericPolicy) -> jax.Array:
+    """q [B, S, H, D], k [B, T, D], weights [B, S, H] (the head weights, already scaled), positions q_pos [B, S],
+    k_pos [B, T]. Returns the index scores [B, S, T] in float32 (values of `index_scores_dtype`), -inf where a
+    key is not visible."""
+    dt = policy.index_scores_dtype
+    scale = jnp.float32(q.shape[-1] ** -0.5)
+    qf, kf = cast(q, dt).astype(jnp.float32), cast(k, dt).astype(jnp.float32)
+    if policy.reduction == "tree":
+        dots = _sequential(qf[:, :, :, None, :], kf[:, None, None, :, :], 4, 4)  # [B, S, H, T]
+    else:
+        dots = precision.einsum("bshd,btd->bsht", qf, kf, policy)
+    per_head = cast(jnp.maximum(cast(cast(dots, dt).astype(jnp.float32) * scale, dt), 0), dt).astype(jnp.float32)
+    w = cast(weights, dt).astype(jnp.float32)
+    if policy.reduction == "tree":
+        summed = _sequential(w[..., None], per_head, 2, 2)
+    else:
+        summed = precision.einsum("bsh,bsht->bst", w, per_head, policy)
+    scores = cast(summed, dt).astype(jnp.float32)
+    visible = k_pos[:, None, :] <= q_pos[:, :, None]
+    return jnp.where(visible, scores, -jnp.inf)
+
+
+def select_keys(scores: jax.Array, k_pos: jax.Array, top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The `top` best keys of scores [B, S, T] (`lax.top_k`'s order and ties).
+
+    Returns (positions [B, S, top] of the selected visible keys, -1 where fewer than `top` are visible;
+    allowed [B, S, T] bool, the keys a query attends to; margin [B, S], the score gap between the last selected
+    and the best unselected visible key (inf when every visible key is selected))."""
+    from jaxalign.model.moe import top_k  # the router's rank-based lax.top_k
+    n_keys = scores.shape[-1]
+    requested, top = top, min(top, n_keys)
+    b, s, _ = scores.shape
+    flat = scores.reshape(b * s, n_keys)
+    values, slots = top_k(flat, min(top + 1, n_keys))
+    values, slots = values.reshape(b, s, -1), slots.reshape(b, s, -1)
+    chosen_values, chosen = values[..., :top], slots[..., :top]
+    visible = jnp.isfinite(chosen_values)
+    positions = jnp.where(visible, jnp.take_along_axis(k_pos[:, None, :], chosen, axis=-1), -1)
+    allowed = jnp.zeros(scores.shape, bool).at[
+        jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], chosen].set(visible)
+    if values.shape[-1] > top:
+        runner_up = values[..., top]
+        margin = jnp.where(jnp.isfinite(runner_up), values[..., top - 1] - runner_up, jnp.inf)
+    else:
+        margin = jnp.full((b, s), jnp.inf, jnp.float32)
+    if requested > top:  # fewer keys than the record's width: the rest are "none"
+        positions = jnp.pad(positions, ((0, 0), (0, 0), (0, requested - top)), constant_values=-1)
+    return positions.astype(jnp.int32), allowed, margin
+
+
+def replayed_keys(replay: jax.Array, k_pos: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Index replay: replay [B, S, top] recorded key positions (-1 = none). A query whose first entry is >= 0
+    attends to exactly the recorded keys; others keep `allowed` (their own selection)."""
+    recorded = jnp.any((k_pos[:, None, :, None] == replay[:, :, None, :]) & (replay[:, :, None, :] >= 0), axis=-1)
+    use = replay[..., :1] >= 0
+    return jnp.where(use, recorded, allowed)
