@@ -20,15 +20,22 @@ def _masked_mean(x: np.ndarray, mask: np.ndarray, axis=None) -> np.ndarray:
     return np.sum(np.where(mask, x, 0.0), axis=axis) / np.maximum(np.sum(mask, axis=axis), 1)
 
 
+def paired_logprobs(a, b, mask, names: tuple[str, str] = ("logp_trainer", "logp_engine"),
+                    purpose: str = "compare") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two logprob arrays [batch, seq] as float64 and their validity mask as bool, checked: one 2-D shape for all
+    three, and at least one valid token."""
+    a, b, mask = np.asarray(a, np.float64), np.asarray(b, np.float64), np.asarray(mask, bool)
+    if a.shape != b.shape or a.shape != mask.shape or a.ndim != 2:
+        raise ValueError(f"{names[0]} {a.shape}, {names[1]} {b.shape} and mask {mask.shape} must be one "
+                         f"[batch, seq] shape")
+    if not mask.any():
+        raise ValueError(f"mask selects no token; nothing to {purpose}")
+    return a, b, mask
+
+
 def mismatch_metrics(logp_trainer, logp_engine, mask) -> dict[str, float]:
     """All token/sequence mismatch metrics for logprobs [batch, seq] and a validity mask [batch, seq]."""
-    lt = np.asarray(logp_trainer, np.float64)
-    le = np.asarray(logp_engine, np.float64)
-    mask = np.asarray(mask, bool)
-    if lt.shape != le.shape or lt.shape != mask.shape:
-        raise ValueError(f"logp_trainer {lt.shape}, logp_engine {le.shape} and mask {mask.shape} must match")
-    if not mask.any():
-        raise ValueError("mask selects no token; nothing to compare")
+    lt, le, mask = paired_logprobs(logp_trainer, logp_engine, mask)
     m = np.clip(lt - le, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     rho = np.exp(m)
     seq_valid = mask.any(axis=1)
@@ -69,14 +76,7 @@ def verl_offpolicy_metrics(logp_trainer, logp_engine, mask) -> dict[str, float]:
     Differences from `mismatch_metrics`, all verl's: means divide by (count + 1e-8); sequence figures average
     over every row, rows without a valid token included (their mean log-prob is 0, their ppl 1); `k3_kl` uses
     the unclamped log ratio (only chi2 clamps to +-20)."""
-    lt = np.asarray(logp_trainer, np.float64)
-    le = np.asarray(logp_engine, np.float64)
-    mask = np.asarray(mask, bool)
-    if lt.shape != le.shape or lt.shape != mask.shape or lt.ndim != 2:
-        raise ValueError(f"logp_trainer {lt.shape}, logp_engine {le.shape} and mask {mask.shape} must be one "
-                         f"[batch, seq] shape")
-    if not mask.any():
-        raise ValueError("mask selects no token; nothing to compare")
+    lt, le, mask = paired_logprobs(logp_trainer, logp_engine, mask)
     with np.errstate(over="ignore", invalid="ignore"):
         m = np.where(mask, lt - le, 0.0)
         mean_lt = _verl_masked_mean(lt, mask, axis=1)

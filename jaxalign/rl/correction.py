@@ -38,7 +38,7 @@ import math
 
 import numpy as np
 
-from jaxalign.align.metrics import LOG_RATIO_CLAMP, mismatch_metrics, verl_offpolicy_metrics
+from jaxalign.align.metrics import LOG_RATIO_CLAMP, mismatch_metrics, paired_logprobs, verl_offpolicy_metrics
 
 RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
             "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
@@ -192,14 +192,7 @@ def _rule(mode: str, threshold: str, log_ratio: np.ndarray, mask: np.ndarray) ->
 def correct(logp_old, logp_rollout, mask, cfg: CorrectionConfig) -> tuple[np.ndarray, np.ndarray, dict]:
     """IS weights [B, S] (0 on padding; not zeroed where rejected), the accepted-token mask [B, S] (valid and
     kept by every rejection rule) and verl-named metrics (`rollout_corr/...`). See the module docstring."""
-    lo = np.asarray(logp_old, np.float64)
-    lr = np.asarray(logp_rollout, np.float64)
-    mask = np.asarray(mask, bool)
-    if lo.shape != lr.shape or lo.shape != mask.shape or lo.ndim != 2:
-        raise ValueError(f"logp_old {lo.shape}, logp_rollout {lr.shape} and mask {mask.shape} must be one "
-                         f"[batch, seq] shape")
-    if not mask.any():
-        raise ValueError("mask selects no token; nothing to correct")
+    lo, lr, mask = paired_logprobs(logp_old, logp_rollout, mask, ("logp_old", "logp_rollout"), "correct")
     with np.errstate(over="ignore", invalid="ignore"):
         log_ratio = np.where(mask, lo - lr, 0.0)  # padding is never read, whatever it holds (NaN included)
         metrics = {}
