@@ -126,7 +126,7 @@ def claim(run_dir: str, record: dict, *, what: str = "run", write: bool = True) 
         old = json.load(f)
     diffs = [d for key in _RECORD_KEYS for d in _differences(old.get(key), record.get(key), key)]
     if diffs:
-        raise RunMismatch(f"{run_dir} holds a {what} made with other settings or another build, which this "
+        raise RunMismatch(f"{run_dir} holds {what} results made with other settings or another build, which this "
                           f"command would report as its own; it differs in:\n  " + "\n  ".join(diffs) +
                           "\nchoose a new output directory (or delete this one) to run these settings")
     host_diffs = _differences(old.get("host"), record.get("host"), "host")
