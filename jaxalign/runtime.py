@@ -63,11 +63,7 @@ EXACT_LOW_PRECISION = disable_excess_precision()  # run on import: before any JA
 def promises_bitwise(policy: NumericPolicy) -> bool:
     """A policy made to give the same bits in every program (aligned presets): batch-invariant kernels and
     fixed-order reductions."""
-    return policy.matmul_kernel != "xla" and policy.reduction == "tree"
-
-
-def _rounds_below_f32(policy: NumericPolicy) -> bool:
-    return any(value in ("bf16", "f16") for value in policy.to_dict().values())
+    return policy.batch_invariant_kernel and policy.tree_reduction
 
 
 def require_exact_rounding(policy: NumericPolicy | PolicySchedule) -> None:
@@ -77,7 +73,7 @@ def require_exact_rounding(policy: NumericPolicy | PolicySchedule) -> None:
         for part_policy in (policy.default, *(p for _, p in policy.rules)):
             require_exact_rounding(part_policy)
         return
-    if not EXACT_LOW_PRECISION and promises_bitwise(policy) and _rounds_below_f32(policy):
+    if not EXACT_LOW_PRECISION and promises_bitwise(policy) and policy.rounds_below_f32:
         raise ValueError(
             f"policy {policy} promises bitwise agreement between programs, but this process runs XLA with excess "
             f"precision allowed (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, or JAX started before jaxalign was "

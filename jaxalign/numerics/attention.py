@@ -55,7 +55,7 @@ def _scores(q: jax.Array, k: jax.Array, policy: NumericPolicy) -> jax.Array:
 
     With `reduction="tree"` the head-dim contraction is a fixed sequential sum of elementwise products (one
     fused loop, the same order for every query and key, whatever their number)."""
-    if policy.reduction == "tree":
+    if policy.tree_reduction:
         return _sequential_scores(policy, jnp.transpose(q.astype(jnp.float32), (0, 2, 3, 1, 4)),
                                   k.astype(jnp.float32))
     # keys stored [D, K]: each (b, h) is a plain [G*Q, D] x [D, K] product (with keys [K, D], XLA:CPU's dot
@@ -98,7 +98,7 @@ def _sequential_scores(policy: NumericPolicy, q: jax.Array, k: jax.Array) -> jax
 def _weighted_values(p: jax.Array, v: jax.Array, policy: NumericPolicy) -> jax.Array:
     """p [B, KVH, G, Q, K] . v [B, KVH, K, D] -> [B, Q, KVH, G, D] in float32 (tree over keys when
     `reduction="tree"`, so masked zero-weight keys past the end never change the bits)."""
-    if policy.reduction == "tree":
+    if policy.tree_reduction:
         return jnp.transpose(_tree_pv(policy, p.astype(jnp.float32), v.astype(jnp.float32)), (0, 3, 1, 2, 4))
     # p first and the output [B, KVH, G, Q, D]: each (b, h) is a plain [G*Q, K] x [K, D] product (with v first,
     # XLA:CPU contracted v's middle axis in a slow generic dot)

@@ -82,6 +82,6 @@ def ordered_vjp(fn: Callable[..., jax.Array], forward_gather: tuple[tuple[int, .
 def with_parameter(fn: Callable[..., jax.Array], policy: NumericPolicy):
     """fn(activation, parameter, ...) whose parameter is broadcast over batch rows (a norm scale, a bias, an
     embedding lookup): its gradient sums over rows, so under `ordered` on a mesh it runs on one device."""
-    if policy.cross_device == "ordered" and mesh_active():
+    if policy.ordered_cross_device and mesh_active():
         return ordered_vjp(fn)
     return fn

@@ -7,16 +7,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxalign.numerics.policy import NumericPolicy
+from jaxalign.numerics.policy_values import DType
 
 _DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 
-def dtype(name: str) -> jnp.dtype:
+def dtype(name: DType | str) -> jnp.dtype:
     """The jnp dtype for a policy dtype name (`f32`, `bf16`, `f16`)."""
     return _DTYPES[name]
 
 
-def cast(x: jax.Array, name: str) -> jax.Array:
+def cast(x: jax.Array, name: DType | str) -> jax.Array:
     """Cast to a policy dtype, rounding for real when the target is narrower.
 
     A bare narrowing `astype` can be elided by XLA:CPU: its XNNPACK ("ynn") fusions fold a convert pair

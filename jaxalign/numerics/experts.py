@@ -184,7 +184,7 @@ def _gate(y: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
     """y [N, k, H] * w [N, k] (broadcast over H). Its gradient for w sums over H; with `reduction=tree` that sum
     is the policy's tree (XLA's own reduce orders the adds by how it fused the backward, which differs between
     programs), so the router's gradient is as reproducible as the forward."""
-    if policy.reduction != "tree":
+    if not policy.tree_reduction:
         return y * w[..., None]
 
     @jax.custom_vjp

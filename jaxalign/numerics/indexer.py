@@ -34,13 +34,13 @@ def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_pos: jax.Arra
     dt = policy.index_scores_dtype
     scale = jnp.float32(q.shape[-1] ** -0.5)
     qf, kf = cast(q, dt).astype(jnp.float32), cast(k, dt).astype(jnp.float32)
-    if policy.reduction == "tree":
+    if policy.tree_reduction:
         dots = _sequential(qf[:, :, :, None, :], kf[:, None, None, :, :], 4, 4)  # [B, S, H, T]
     else:
         dots = precision.einsum("bshd,btd->bsht", qf, kf, policy)
     per_head = cast(jnp.maximum(cast(cast(dots, dt).astype(jnp.float32) * scale, dt), 0), dt).astype(jnp.float32)
     w = cast(weights, dt).astype(jnp.float32)
-    if policy.reduction == "tree":
+    if policy.tree_reduction:
         summed = _sequential(w[..., None], per_head, 2, 2)
     else:
         summed = precision.einsum("bsh,bsht->bst", w, per_head, policy)

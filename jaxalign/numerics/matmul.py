@@ -38,7 +38,7 @@ def _dot_f32(a: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:
 
 def _dot(a: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:
     """a [M, K] @ b [K, N] with the policy's accumulation; the result is float32 (or the low accumulation dtype)."""
-    if policy.matmul_acc not in ("bf16", "f16"):
+    if not policy.low_precision_accumulation:
         return _dot_f32(a, b, policy)
     k = a.shape[-1]
     total = None
@@ -76,7 +76,7 @@ def matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy, *, operand_dtype: 
     op = operand_dtype or policy.compute_dtype
     lead = x.shape[:-1]
     product = lambda a, b: _rows(a, b, policy)  # noqa: E731
-    if policy.cross_device == "ordered" and mesh_active():
+    if policy.ordered_cross_device and mesh_active():
         product = ordered_vjp(product, ((1,), (0,)))  # K gathered; weight gradients summed on one device
     y = product(cast(x.reshape(-1, x.shape[-1]), op), cast(w, op))
     return cast(y.reshape(lead + (w.shape[-1],)), out_dtype or policy.compute_dtype)
@@ -181,7 +181,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: N
         y = _pallas_grouped(x, w, group_sizes, policy)
     elif policy.tile_rows is not None:
         y = _tiled_grouped(x, w, group_sizes, policy)
-    elif policy.matmul_acc not in ("bf16", "f16"):
+    elif not policy.low_precision_accumulation:
         y = precision.ragged_dot(x, w, group_sizes, policy)
     else:
         y = None

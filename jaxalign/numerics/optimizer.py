@@ -58,11 +58,11 @@ def _scale_by_learning_rate(learning_rate: float, policy: NumericPolicy) -> opta
 def adamw(learning_rate: float, weight_decay: float, policy: NumericPolicy, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8) -> optax.GradientTransformation:
     """optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay) (constant learning rate, no mask, no
-    nesterov) with its multiply-adds uncontracted under `policy.reduction == "tree"` (see module docstring);
+    nesterov) with its multiply-adds uncontracted under `policy.tree_reduction` (see module docstring);
     under `reduction="xla"` optax's own."""
     if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)):
         raise TypeError(f"learning_rate = {learning_rate!r}; allowed: a number (no schedule)")
-    if policy.reduction != "tree":
+    if not policy.tree_reduction:
         return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     return optax.chain(_scale_by_adam(b1, b2, eps, policy), _add_decayed_weights(weight_decay, policy),
                        _scale_by_learning_rate(learning_rate, policy))

@@ -8,81 +8,64 @@ accepts a preset name, optionally followed by overrides: `"aligned-bf16,kernel=x
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
-from jax import lax
+from jaxalign.numerics.policy_values import Capacity, Chunked, DotAlgorithm, DType, Pallas, Tiled
 
-DTYPES = ("f32", "bf16", "f16")
-_ACCUMULATIONS = ("f32", "bf16", "f16")
-_DOT_PRESETS = tuple(name for name in dir(lax.DotAlgorithmPreset) if not name.startswith("_"))
-
-
-def _positive_int_suffix(value: str, prefix: str) -> int | None:
-    if not value.startswith(prefix):
-        return None
-    try:
-        number = int(value[len(prefix):])
-    except ValueError:
-        return None
-    return number if number > 0 else None
-
-
-def _pallas_blocks(value: str) -> tuple[int, int, int] | None:
-    """(BM, BN, BK) of `pallas:BMxBNxBK`, each a power of two >= 8, or None when `value` is not of that form."""
-    if not value.startswith("pallas:"):
-        return None
-    parts = value[len("pallas:"):].split("x")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        return None
-    blocks = tuple(int(p) for p in parts)
-    if not all(b >= 8 and b & (b - 1) == 0 for b in blocks):
-        return None
-    return blocks  # type: ignore[return-value]
-
-
-def _positive_float_suffix(value: str, prefix: str) -> float | None:
-    if not value.startswith(prefix):
-        return None
-    try:
-        number = float(value[len(prefix):])
-    except ValueError:
-        return None
-    return number if number > 0 else None
+DTYPES = tuple(DType)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Field:
     key: str  # short name used in the policy string
     allowed: str  # human-readable description of allowed values
-    check: Callable[[str], bool]
+    parse: Callable[[object], Any]  # a field value (text or typed) -> its typed value, or None when not allowed
     doc: str
 
 
-def _one_of(*values: str) -> Callable[[str], bool]:
-    return lambda v: v in values
+def _one_of(*values: str) -> Callable[[object], str | None]:
+    """Plain choices: the canonical `str` of a listed value."""
+    return lambda v: values[values.index(v)] if isinstance(v, str) and v in values else None
 
+
+def _typed(kind) -> Callable[[object], Any]:
+    """A typed value: an instance passes through, text goes through `kind.parse`."""
+    return lambda v: v if isinstance(v, kind) else kind.parse(v)
+
+
+def _either(*parsers: Callable[[object], Any]) -> Callable[[object], Any]:
+    def parse(value):
+        for one in parsers:
+            typed = one(value)
+            if typed is not None:
+                return typed
+        return None
+    return parse
+
+
+_DTYPE = _typed(DType)
+_F32_ONLY = lambda v: DType.f32 if v == "f32" else None  # noqa: E731
 
 FIELDS: dict[str, _Field] = {
-    "param_dtype": _Field("param", "f32|bf16|f16", _one_of(*DTYPES),
+    "param_dtype": _Field("param", "f32|bf16|f16", _DTYPE,
                           "dtype the weights are cast to before use (the engine casts once at load)"),
-    "compute_dtype": _Field("compute", "f32|bf16|f16", _one_of(*DTYPES),
+    "compute_dtype": _Field("compute", "f32|bf16|f16", _DTYPE,
                             "dtype of activations between ops"),
     "matmul_acc": _Field("matmul", "f32|bf16|f16|<lax.DotAlgorithmPreset name>",
-                         lambda v: v in _ACCUMULATIONS or v in _DOT_PRESETS,
+                         _either(_DTYPE, _typed(DotAlgorithm)),
                          "matmul accumulation: f32 (preferred_element_type=f32), bf16/f16 (partial sums rounded "
                          "every 16 products of the contraction, emulating low-precision accumulators), all three with "
                          "precision=HIGHEST (full f32 products of f32 operands on every backend); or a "
                          "DotAlgorithmPreset passed to XLA as the products' algorithm"),
     "matmul_bwd": _Field("matmul_bwd", "same|f32|<lax.DotAlgorithmPreset name>",
-                         lambda v: v in ("same", "f32") or v in _DOT_PRESETS,
+                         _either(_one_of("same"), _F32_ONLY, _typed(DotAlgorithm)),
                          "precision of the gradient's products: same = the forward's; f32 = HIGHEST; or a "
                          "DotAlgorithmPreset"),
     "transcendental_accuracy": _Field("transcendental", "default|highest", _one_of("default", "highest"),
                                       "accuracy asked of exp/log in softmaxes and log-softmax: default = the "
                                       "backend's; highest = lax.AccuracyMode.HIGHEST"),
     "matmul_kernel": _Field("kernel", "xla|tiled:T (T a positive int)|pallas:BMxBNxBK (each a power of two >= 8)",
-                            lambda v: (v == "xla" or _positive_int_suffix(v, "tiled:") is not None
-                                       or _pallas_blocks(v) is not None),
+                            _either(_one_of("xla"), _typed(Tiled), _typed(Pallas)),
                             "xla = whatever XLA emits; tiled:T = fixed [T, K] row tiles (batch invariant); "
                             "pallas:BMxBNxBK = the same semantics in Pallas kernels (fixed [BM, BN] output "
                             "blocks, the contraction in BK chunks in a fixed order, f32 accumulation; interpret "
@@ -90,37 +73,36 @@ FIELDS: dict[str, _Field] = {
     "reduction": _Field("reduce", "xla|tree", _one_of("xla", "tree"),
                         "sums in norms, softmaxes and attention: xla's reduce, or a fixed halving tree that is "
                         "invariant to batch shape and to zero padding"),
-    "norm_dtype": _Field("norm", "f32|bf16|f16", _one_of(*DTYPES), "dtype RMSNorm is computed in"),
-    "rope_dtype": _Field("rope", "f32|bf16|f16", _one_of(*DTYPES), "dtype of the RoPE rotation"),
-    "router_logits_dtype": _Field("router", "f32|bf16|f16", _one_of(*DTYPES),
+    "norm_dtype": _Field("norm", "f32|bf16|f16", _DTYPE, "dtype RMSNorm is computed in"),
+    "rope_dtype": _Field("rope", "f32|bf16|f16", _DTYPE, "dtype of the RoPE rotation"),
+    "router_logits_dtype": _Field("router", "f32|bf16|f16", _DTYPE,
                                   "dtype of the router linear layer (inputs, weights, output)"),
-    "router_softmax_dtype": _Field("router_softmax", "f32|bf16|f16", _one_of(*DTYPES),
+    "router_softmax_dtype": _Field("router_softmax", "f32|bf16|f16", _DTYPE,
                                    "dtype of the router softmax / sigmoid and top-k scores"),
-    "combine_weight_dtype": _Field("gate", "f32|bf16|f16", _one_of(*DTYPES),
+    "combine_weight_dtype": _Field("gate", "f32|bf16|f16", _DTYPE,
                                    "dtype of the gate weights and of their product with the expert outputs"),
-    "combine_acc_dtype": _Field("combine_acc", "f32|bf16|f16", _one_of(*DTYPES),
+    "combine_acc_dtype": _Field("combine_acc", "f32|bf16|f16", _DTYPE,
                                 "dtype the weighted expert outputs are multiplied and summed in"),
     "combine_order": _Field("combine", "slot|expert|dense", _one_of("slot", "expert", "dense"),
                             "slot = sum over the k slots in top-k order; expert = one expert at a time in id "
                             "order (transformers eager); dense = reduce over all experts with zeros (MaxText dense)"),
     "dispatch": _Field("dispatch", "dense|sorted|gather|bucketed|capacity:F (F a positive float)",
-                       lambda v: (v in ("dense", "sorted", "gather", "bucketed")
-                                  or _positive_float_suffix(v, "capacity:") is not None),
+                       _either(_one_of("dense", "sorted", "gather", "bucketed"), _typed(Capacity)),
                        "dense = every expert sees every token; sorted = argsort + grouped matmul; gather = each "
                        "token's k expert weights gathered, batched vector-matrix products (decode engines); "
                        "bucketed = per-expert buffers sized (from a fixed ladder) to the busiest expert, nothing "
                        "dropped; capacity:F = per-expert buffers of F*tokens*k/experts rows, overflow dropped"),
     "attention": _Field("attn", "full|chunked:C (C a positive int)",
-                        lambda v: v == "full" or _positive_int_suffix(v, "chunked:") is not None,
+                        _either(_one_of("full"), _typed(Chunked)),
                         "full softmax over all keys, or online softmax over fixed chunks of C keys"),
-    "attn_scores_dtype": _Field("attn_scores", "f32|bf16|f16", _one_of(*DTYPES),
+    "attn_scores_dtype": _Field("attn_scores", "f32|bf16|f16", _DTYPE,
                                 "dtype the q.k scores are rounded to and scaled in (transformers' eager "
                                 "attention: the model dtype)"),
-    "attn_softmax_dtype": _Field("attn_softmax", "f32|bf16|f16", _one_of(*DTYPES),
+    "attn_softmax_dtype": _Field("attn_softmax", "f32|bf16|f16", _DTYPE,
                                  "dtype of the attention softmax"),
-    "kv_cache_dtype": _Field("kv", "f32|bf16|f16", _one_of(*DTYPES),
+    "kv_cache_dtype": _Field("kv", "f32|bf16|f16", _DTYPE,
                              "dtype keys and values are stored in before attention reads them"),
-    "logits_dtype": _Field("logits", "f32|bf16|f16", _one_of(*DTYPES), "dtype of the LM-head output"),
+    "logits_dtype": _Field("logits", "f32|bf16|f16", _DTYPE, "dtype of the LM-head output"),
     "lora": _Field("lora", "merged|unmerged", _one_of("merged", "unmerged"),
                    "LoRA adapters folded into the weights (rounded to the param dtype) or applied as a separate "
                    "low-rank path"),
@@ -132,7 +114,7 @@ FIELDS: dict[str, _Field] = {
                   "multi-head latent attention (MLA models only): expanded = keys and values up-projected per head "
                   "from the latent (trainers); absorbed = the key up-projection folded into the query, attention "
                   "over the latent itself, the value up-projection after it (serving engines)"),
-    "index_scores_dtype": _Field("index", "f32|bf16|f16", _one_of(*DTYPES),
+    "index_scores_dtype": _Field("index", "f32|bf16|f16", _DTYPE,
                                  "dtype of the DSA indexer's q.k scores, head weights and weighted sum, from which "
                                  "its top-k picks the keys each query attends to (DSA models only)"),
 }
@@ -141,73 +123,113 @@ _BY_KEY = {f.key: name for name, f in FIELDS.items()}
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NumericPolicy:
-    """All numeric choices of one compiled program. Frozen and hashable: pass it as a static jit argument."""
+    """All numeric choices of one compiled program. Frozen and hashable: pass it as a static jit argument.
 
-    param_dtype: str = "f32"
-    compute_dtype: str = "f32"
-    matmul_acc: str = "f32"
-    matmul_kernel: str = "xla"
-    matmul_bwd: str = "same"
-    transcendental_accuracy: str = "default"
-    reduction: str = "xla"
-    norm_dtype: str = "f32"
-    rope_dtype: str = "f32"
-    router_logits_dtype: str = "f32"
-    router_softmax_dtype: str = "f32"
-    combine_weight_dtype: str = "f32"
-    combine_acc_dtype: str = "f32"
-    combine_order: str = "slot"
-    dispatch: str = "dense"
-    attention: str = "full"
-    attn_scores_dtype: str = "f32"
-    attn_softmax_dtype: str = "f32"
-    kv_cache_dtype: str = "f32"
-    logits_dtype: str = "f32"
-    lora: str = "merged"
-    cross_device: str = "xla"
-    mla: str = "expanded"
-    index_scores_dtype: str = "f32"
+    Fields hold typed values (`jaxalign.numerics.policy_values`: `DType`, `Tiled(8)`, `Chunked(16)`,
+    `Capacity(1.25)`, `Pallas(8, 16, 16)`, `DotAlgorithm(name)`; plain choices stay `str`), parsed once here:
+    `NumericPolicy(...)` and `replace(...)` accept either those values or their text (`matmul_kernel="tiled:8"`).
+    """
+
+    param_dtype: DType = DType.f32
+    compute_dtype: DType = DType.f32
+    matmul_acc: DType | DotAlgorithm = DType.f32
+    matmul_kernel: Literal["xla"] | Tiled | Pallas = "xla"
+    matmul_bwd: Literal["same"] | DType | DotAlgorithm = "same"
+    transcendental_accuracy: Literal["default", "highest"] = "default"
+    reduction: Literal["xla", "tree"] = "xla"
+    norm_dtype: DType = DType.f32
+    rope_dtype: DType = DType.f32
+    router_logits_dtype: DType = DType.f32
+    router_softmax_dtype: DType = DType.f32
+    combine_weight_dtype: DType = DType.f32
+    combine_acc_dtype: DType = DType.f32
+    combine_order: Literal["slot", "expert", "dense"] = "slot"
+    dispatch: Literal["dense", "sorted", "gather", "bucketed"] | Capacity = "dense"
+    attention: Literal["full"] | Chunked = "full"
+    attn_scores_dtype: DType = DType.f32
+    attn_softmax_dtype: DType = DType.f32
+    kv_cache_dtype: DType = DType.f32
+    logits_dtype: DType = DType.f32
+    lora: Literal["merged", "unmerged"] = "merged"
+    cross_device: Literal["xla", "ordered"] = "xla"
+    mla: Literal["expanded", "absorbed"] = "expanded"
+    index_scores_dtype: DType = DType.f32
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():
             value = getattr(self, name)
-            if not isinstance(value, str) or not spec.check(value):
+            typed = spec.parse(value)
+            if typed is None:
                 raise ValueError(f"NumericPolicy.{name} ({spec.key}) = {value!r} is not allowed; "
                                  f"allowed: {spec.allowed}")
-        if self.matmul_acc in ("bf16", "f16") and self.matmul_acc != self.compute_dtype:
+            object.__setattr__(self, name, typed)  # frozen: the one place a field is set after construction
+        if self.low_precision_accumulation and self.matmul_acc != self.compute_dtype:
             raise ValueError(f"NumericPolicy.matmul_acc = {self.matmul_acc!r} accumulates below the compute dtype "
                              f"{self.compute_dtype!r}; allowed: f32, a DotAlgorithmPreset, or the compute dtype")
-        if self.pallas_blocks is not None and self.matmul_acc != "f32":
+        if self.pallas_blocks is not None and self.matmul_acc != DType.f32:
             raise ValueError(f"NumericPolicy.matmul_acc = {self.matmul_acc!r} with matmul_kernel = "
                              f"{self.matmul_kernel!r}: the Pallas kernels accumulate in float32; allowed: f32")
-        if self.dispatch == "gather" and (self.matmul_kernel != "xla" or self.matmul_acc in ("bf16", "f16")):
+        if self.dispatch == "gather" and (self.batch_invariant_kernel or self.low_precision_accumulation):
             raise ValueError("NumericPolicy.dispatch = 'gather' uses batched vector-matrix products with float32 "
                              "accumulation; it needs matmul_kernel 'xla' and matmul_acc f32 (or a DotAlgorithmPreset)")
 
-    # --- derived properties the numerics modules read -----------------------------------------------------
+    # --- predicates and derived values the numerics modules read ------------------------------------------
+    @property
+    def low_precision_accumulation(self) -> bool:
+        """matmul_acc is bf16 or f16: partial sums rounded every ACC_CHUNK products (numerics/matmul.py)."""
+        return isinstance(self.matmul_acc, DType) and self.matmul_acc.is_low_precision
+
+    @property
+    def batch_invariant_kernel(self) -> bool:
+        """The matmul kernel is `tiled:T` or `pallas:...` (fixed row tiles), not XLA's own."""
+        return self.matmul_kernel != "xla"
+
+    @property
+    def tree_reduction(self) -> bool:
+        """Sums run as a fixed halving tree (`reduce=tree`), invariant to batch shape and zero padding."""
+        return self.reduction == "tree"
+
+    @property
+    def ordered_cross_device(self) -> bool:
+        """Sums over a split axis are gathered and summed in the single-device order (`xdev=ordered`)."""
+        return self.cross_device == "ordered"
+
+    @property
+    def rounds_below_f32(self) -> bool:
+        """Some field asks for bf16 or f16 (a dtype or a low-precision accumulator)."""
+        return any(isinstance(v, DType) and v.is_low_precision for v in (getattr(self, n) for n in FIELDS))
+
     @property
     def tile_rows(self) -> int | None:
         """Row-tile size of the tiled matmul kernel, or None for the xla kernel."""
-        return _positive_int_suffix(self.matmul_kernel, "tiled:")
+        return self.matmul_kernel.rows if isinstance(self.matmul_kernel, Tiled) else None
 
     @property
     def pallas_blocks(self) -> tuple[int, int, int] | None:
         """(BM, BN, BK) block shape of the Pallas kernels, or None when the kernel is not `pallas:...`."""
-        return _pallas_blocks(self.matmul_kernel)
+        return self.matmul_kernel.blocks if isinstance(self.matmul_kernel, Pallas) else None
 
     @property
     def attention_chunk(self) -> int | None:
         """KV chunk size of chunked attention, or None for full attention."""
-        return _positive_int_suffix(self.attention, "chunked:")
+        return self.attention.size if isinstance(self.attention, Chunked) else None
 
     @property
     def capacity_factor(self) -> float | None:
         """Capacity factor of token-dropping dispatch, or None."""
-        return _positive_float_suffix(self.dispatch, "capacity:")
+        return self.dispatch.factor if isinstance(self.dispatch, Capacity) else None
 
     # --- string form -------------------------------------------------------------------------------------
     def __str__(self) -> str:
         return ",".join(f"{spec.key}={getattr(self, name)}" for name, spec in FIELDS.items())
+
+    def compact(self) -> str:
+        """The shortest string that parses back to this policy: the nearest preset's name, then the fields that
+        differ from it (`aligned-bf16` or `aligned-bf16,kernel=xla`); what configs and arms record."""
+        def text(name: str, base: "NumericPolicy") -> str:
+            overrides = [f"{FIELDS[f].key}={mine}" for f, mine, _ in self.diff(base)]
+            return ",".join([name, *overrides])
+        return min((text(name, base) for name, base in PRESETS.items()), key=lambda t: t.count(","))
 
     @classmethod
     def parse(cls, text: str) -> "NumericPolicy":
@@ -221,7 +243,8 @@ class NumericPolicy:
         parts = [p.strip() for p in text.split(",") if p.strip()]
         base: dict[str, Any] = {}
         if "=" not in parts[0]:
-            base = dataclasses.asdict(cls.preset(parts[0]))
+            preset = cls.preset(parts[0])
+            base = {name: getattr(preset, name) for name in FIELDS}
             parts = parts[1:]
         seen = set()
         for part in parts:
@@ -239,6 +262,18 @@ class NumericPolicy:
         return cls(**base)
 
     @classmethod
+    def coerce(cls, value: "NumericPolicy | str", *, label: str = "policy") -> "NumericPolicy":
+        """A policy as it is: text is parsed (errors name `label`); anything else is refused clearly."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls.parse(value)
+            except ValueError as err:
+                raise ValueError(f"{label}: {err}") from None
+        raise ValueError(f"{label} must be a NumericPolicy or a policy string, got {type(value).__name__}")
+
+    @classmethod
     def preset(cls, name: str) -> "NumericPolicy":
         """A named preset; see `PRESETS` and `docs/policies.md`."""
         if name not in PRESETS:
@@ -246,17 +281,17 @@ class NumericPolicy:
         return PRESETS[name]
 
     def replace(self, **changes: Any) -> "NumericPolicy":
-        """A copy with some fields changed (validated)."""
+        """A copy with some fields changed (validated; values as text or typed)."""
         return dataclasses.replace(self, **changes)
 
     def diff(self, other: "NumericPolicy") -> list[tuple[str, str, str]]:
-        """Fields where the two policies differ, as (field, self's value, other's value)."""
-        return [(name, getattr(self, name), getattr(other, name))
+        """Fields where the two policies differ, as (field, self's value, other's value), values as text."""
+        return [(name, str(getattr(self, name)), str(getattr(other, name)))
                 for name in FIELDS if getattr(self, name) != getattr(other, name)]
 
     def to_dict(self) -> dict[str, str]:
-        """Field name -> value."""
-        return dataclasses.asdict(self)
+        """Field name -> value as text (what JSON, routing records and golden files store)."""
+        return {name: str(getattr(self, name)) for name in FIELDS}
 
 
 def _bf16_compute(**overrides: str) -> NumericPolicy:

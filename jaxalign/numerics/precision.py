@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxalign.numerics.policy import NumericPolicy
+from jaxalign.numerics.policy_values import DotAlgorithm, DType
 
 # The presets JAX lets XLA:CPU lower (jax/_src/lax/lax.py `_handle_dot_precision`, JAX 0.10.2); every other
 # backend receives the algorithm and checks it itself when compiling.
@@ -37,10 +38,10 @@ _ACCURACY = {"default": None, "highest": lax.AccuracyMode.HIGHEST}
 Precision = lax.Precision | lax.DotAlgorithmPreset
 
 
-def _named(name: str) -> Precision:
-    if name in ("f32", "bf16", "f16"):
-        return lax.Precision.HIGHEST
-    return getattr(lax.DotAlgorithmPreset, name)
+def _named(value: DType | DotAlgorithm) -> Precision:
+    if isinstance(value, DotAlgorithm):
+        return value.preset
+    return lax.Precision.HIGHEST  # a dtype: full f32 products (a bf16/f16 accumulator is emulated in matmul.py)
 
 
 def dot_precision(policy: NumericPolicy, *, backward: bool = False) -> Precision:
@@ -144,7 +145,7 @@ def check_backend(policy: NumericPolicy, backend: str | None = None, *, label: s
         return  # GPU/TPU compilers check the algorithm against the device themselves
     for field, plain in (("matmul_acc", ("f32", "bf16", "f16")), ("matmul_bwd", ("same", "f32"))):
         value = getattr(policy, field)
-        if value in plain or value in CPU_DOT_ALGORITHMS:
+        if not isinstance(value, DotAlgorithm) or value.name in CPU_DOT_ALGORITHMS:
             continue
         raise ValueError(f"{label}: NumericPolicy.{field} = {value!r} names a dot algorithm the {backend} backend "
                          f"cannot run (JAX {jax.__version__}); allowed on {backend}: "

@@ -44,7 +44,7 @@ def reduce_sum(x: jax.Array, policy: NumericPolicy, axis: int = -1, keepdims: bo
     """Sum over one axis in x's dtype, in the order the policy's `reduction` names (and, on a mesh, where its
     `cross_device` field says)."""
     x = local_reduce(x, policy, (axis,))
-    if policy.reduction == "tree":
+    if policy.tree_reduction:
         return tree_sum(x, axis, keepdims)
     return jnp.sum(x, axis=axis, keepdims=keepdims, dtype=x.dtype)
 
@@ -69,7 +69,7 @@ def expand(x: jax.Array, axis: int, size: int, policy: NumericPolicy) -> jax.Arr
     The gradient of a broadcast is a sum over the broadcast axis. With `reduction=tree` that sum is the tree
     too: XLA's own reduce orders its adds by how the backward program was fused, so without this the same
     gradient got different bits in differently compiled programs (e.g. a mesh's)."""
-    if policy.reduction != "tree":
+    if not policy.tree_reduction:
         shape = list(x.shape)
         shape[axis] = size
         return jnp.broadcast_to(x, shape)
@@ -112,7 +112,7 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, policy: Numeric
     width = xn.shape[-1]
     centred = xn - expand(reduce_sum(xn, policy, axis=-1, keepdims=True) / width, -1, width, policy)
     squares = centred * centred
-    if policy.reduction == "tree":
+    if policy.tree_reduction:
         squares = jax.lax.optimization_barrier(squares)  # no a*a + b*b contracted into an FMA (see rms_norm)
     var = reduce_sum(squares, policy, axis=-1, keepdims=True) / width
     normed = centred * expand(jax.lax.rsqrt(var + jnp.asarray(eps, xn.dtype)), -1, width, policy)
@@ -128,7 +128,7 @@ def global_norm(tree, policy: NumericPolicy) -> jax.Array:
     then the per-array sums are tree-summed in the pytree's leaf order -- a fixed order, so a sharded trainer's
     norm (and the clipping scale it sets) has one device's bits. XLA's reduce ordered these adds by how the update program was fused."""
     leaves = [jnp.asarray(x, jnp.float32).reshape(-1) for x in jax.tree.leaves(tree)]
-    if policy.reduction != "tree":
+    if not policy.tree_reduction:
         return jnp.sqrt(sum(jnp.sum(x * x) for x in leaves))
     squares = [uncontracted(x * x, policy) for x in leaves]  # no a*a + b*b contracted into an FMA
     return jnp.sqrt(tree_sum(jnp.stack([tree_sum(x) for x in squares])))
@@ -147,7 +147,7 @@ def total(x: jax.Array, policy: NumericPolicy, mask: jax.Array | None = None) ->
     array is gathered first."""
     if mask is not None:
         x = jnp.where(jnp.asarray(mask) != 0, x, jnp.zeros((), x.dtype))
-    if policy.reduction != "tree":
+    if not policy.tree_reduction:
         return jnp.sum(x, dtype=x.dtype)
     x = local_reduce(uncontracted(x, policy), policy, tuple(range(x.ndim)))
     return tree_sum(x.reshape(-1))
@@ -173,6 +173,6 @@ def uncontracted(x: jax.Array, policy: NumericPolicy) -> jax.Array:
     NaN) but puts a select between the multiply and the add, which LLVM does not contract across: products are
     rounded on their own in every program and under every ISA (docs/policies.md, "FMA contraction";
     tests/test_optimizer.py checks it)."""
-    if policy.reduction != "tree":
+    if not policy.tree_reduction:
         return x
     return jnp.where(x == x, x, jnp.asarray(jnp.nan, x.dtype))

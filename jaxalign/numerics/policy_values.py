@@ -1,0 +1,175 @@
+"""The typed values a `NumericPolicy` field holds, each parsed once from its text (`"tiled:8"` -> `Tiled(8)`).
+
+Every value prints as the text it was parsed from (`str`), so a policy's string form, its `to_dict()` and the
+JSON that routing records and golden files store are unchanged by the types; `repr` is that text quoted, so error
+messages and a policy's repr read as the text too. The enum members are `str`s: `DType.bf16 == "bf16"`, and a
+value can be compared with its text anywhere; the parameterised values compare equal to their text as well
+(`Tiled(8) == "tiled:8"`).
+
+- `DType`: f32 | bf16 | f16.
+- `DotAlgorithm(name)`: a `lax.DotAlgorithmPreset` named by a matmul field.
+- `Tiled(rows)`, `Pallas(bm, bn, bk)`: the batch-invariant matmul kernels (`"xla"` stays the text "xla").
+- `Chunked(size)`: chunked attention (`"full"` stays "full").
+- `Capacity(factor)`: token-dropping expert dispatch (the other dispatches stay their text).
+Each parser returns None for text that is not of its form; `NumericPolicy` turns that into an error naming the
+field and what it allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jax import lax
+
+DOT_PRESETS = tuple(name for name in dir(lax.DotAlgorithmPreset) if not name.startswith("_"))
+
+
+class DType(enum.StrEnum):
+    """A policy dtype name."""
+
+    f32 = "f32"
+    bf16 = "bf16"
+    f16 = "f16"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @property
+    def is_low_precision(self) -> bool:
+        """Narrower than float32 (bf16 or f16)."""
+        return self is not DType.f32
+
+    @classmethod
+    def parse(cls, text: object) -> "DType | None":
+        """The member named `text` (a member passes through), or None."""
+        return cls(text) if isinstance(text, str) and text in cls._value2member_map_ else None
+
+
+class _PolicyValue:
+    """Shared by the parameterised values: printed (and repr'd) as their policy text, and equal to it (the text
+    is canonical, so equal text means equal fields)."""
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str) or type(other) is type(self):
+            return str(self) == str(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class DotAlgorithm(_PolicyValue):
+    """A `lax.DotAlgorithmPreset` passed to XLA as the algorithm of every product (matmul / matmul_bwd)."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def preset(self) -> lax.DotAlgorithmPreset:
+        """The JAX enum member."""
+        return getattr(lax.DotAlgorithmPreset, self.name)
+
+    @classmethod
+    def parse(cls, text: object) -> "DotAlgorithm | None":
+        """`DotAlgorithm(text)` when `text` names a preset, else None."""
+        return cls(text) if isinstance(text, str) and text in DOT_PRESETS else None
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class Tiled(_PolicyValue):
+    """`tiled:T`: fixed [T, K] row tiles (batch invariant)."""
+
+    rows: int
+
+    def __str__(self) -> str:
+        return f"tiled:{self.rows}"
+
+    @classmethod
+    def parse(cls, text: object) -> "Tiled | None":
+        """`Tiled(T)` of `tiled:T` (T a positive int), else None."""
+        rows = _positive_suffix(text, "tiled:", int)
+        return None if rows is None else cls(rows)
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class Pallas(_PolicyValue):
+    """`pallas:BMxBNxBK`: the tiled semantics in Pallas kernels, each block a power of two >= 8."""
+
+    bm: int
+    bn: int
+    bk: int
+
+    def __str__(self) -> str:
+        return f"pallas:{self.bm}x{self.bn}x{self.bk}"
+
+    @property
+    def blocks(self) -> tuple[int, int, int]:
+        """(BM, BN, BK)."""
+        return (self.bm, self.bn, self.bk)
+
+    @classmethod
+    def parse(cls, text: object) -> "Pallas | None":
+        """`Pallas(BM, BN, BK)` of `pallas:BMxBNxBK`, else None."""
+        if not isinstance(text, str) or not text.startswith("pallas:"):
+            return None
+        parts = text[len("pallas:"):].split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            return None
+        blocks = [int(p) for p in parts]
+        if not all(b >= 8 and b & (b - 1) == 0 for b in blocks):
+            return None
+        return cls(*blocks)
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class Chunked(_PolicyValue):
+    """`chunked:C`: online softmax over fixed chunks of C keys."""
+
+    size: int
+
+    def __str__(self) -> str:
+        return f"chunked:{self.size}"
+
+    @classmethod
+    def parse(cls, text: object) -> "Chunked | None":
+        """`Chunked(C)` of `chunked:C` (C a positive int), else None."""
+        size = _positive_suffix(text, "chunked:", int)
+        return None if size is None else cls(size)
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class Capacity(_PolicyValue):
+    """`capacity:F`: per-expert buffers of F*tokens*k/experts rows, overflow dropped."""
+
+    factor: float
+
+    def __str__(self) -> str:
+        return f"capacity:{_number_text(self.factor)}"
+
+    @classmethod
+    def parse(cls, text: object) -> "Capacity | None":
+        """`Capacity(F)` of `capacity:F` (F a positive float), else None."""
+        factor = _positive_suffix(text, "capacity:", float)
+        return None if factor is None else cls(factor)
+
+
+def _positive_suffix(text: object, prefix: str, kind: type):
+    if not isinstance(text, str) or not text.startswith(prefix):
+        return None
+    try:
+        number = kind(text[len(prefix):])
+    except ValueError:
+        return None
+    return number if number > 0 else None
+
+
+def _number_text(value: float) -> str:
+    """The shortest text that parses back to `value` ("2" for 2.0, "1.25")."""
+    return str(int(value)) if value.is_integer() else repr(value)
