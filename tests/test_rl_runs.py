@@ -16,7 +16,7 @@ from jaxalign.rl.experiment import ExperimentConfig, experiment_record, run_conf
 
 def test_arms_parse_and_differ_only_in_what_they_name():
     exp = ExperimentConfig()
-    base = dataclasses.asdict(run_config(exp, parse_arm("aligned"), seed=0))
+    base = run_config(exp, parse_arm("aligned"), seed=0).to_dict()
     cases = {
         "x=aligned-bf16,kernel=xla/serve-bf16": {"trainer_policy": "aligned-bf16,kernel=xla",
                                                  "engine_policy": "serve-bf16"},
@@ -31,7 +31,7 @@ def test_arms_parse_and_differ_only_in_what_they_name():
             "correction": {"is_level": "sequence", "is_threshold": "3", "rs": ("token_k3:0.1",)}},
     }
     for text, named in cases.items():
-        got = dataclasses.asdict(run_config(exp, parse_arm(text), seed=0))
+        got = run_config(exp, parse_arm(text), seed=0).to_dict()
         expected = json.loads(json.dumps(base))
         for key, value in named.items():
             if isinstance(value, dict):

@@ -11,8 +11,8 @@ from jaxalign.model.scoring import token_logprobs
 from jaxalign.model.sharding import mesh_description
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
+from jaxalign.replay_modes import REPLAY_MODES
 
-REPLAY_MODES = ("none", "r2", "r3")
 
 
 def random_prompts(vocab_size: int, n: int, seed: int, min_len: int = 4, max_len: int = 16) -> list[np.ndarray]:

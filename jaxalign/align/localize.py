@@ -21,6 +21,7 @@ from jaxalign.model.sharding import mesh_description
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.schedule import PolicySchedule
+from jaxalign.replay_modes import ENGINE_REPLAY_MODES, check_replay
 
 import numpy as np
 
@@ -54,8 +55,7 @@ def localize(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, 
     `fields`, `parts` and `modules` lists are each sorted by contribution (largest first).
     `trainer_mesh` / `engine_mesh`: where each side's passes run (None = one device); the mesh difference
     itself is then part of the baseline gap."""
-    if replay not in ("none", "r3"):
-        raise ValueError(f"replay = {replay!r}; allowed: none, r3")
+    check_replay(replay, ENGINE_REPLAY_MODES)
     diff = trainer.diff(engine)
     if not diff and trainer_mesh is None and engine_mesh is None:
         raise ValueError("trainer and engine policies are identical; there is nothing to localise")

@@ -15,7 +15,11 @@ Correction modes (how the PPO loss treats the trainer/engine gap):
 - `bypass[+rs:RULE...]`: the PPO ratio is taken against the engine's logprobs (pi_old := pi_rollout).
 - omitted: the experiment's default (`--is-threshold` / `--rs`).
 
-Replay: `none`, `r2` (the trainer's old-policy pass routes for the update), `r3` (the engine's routes).
+Replay: `none`, `r2` (the trainer's old-policy pass routes for the update), `r3` (the engine's routes); the modes
+are defined in `jaxalign.replay_modes`.
+
+An `Arm` holds `NumericPolicy` values (parsed once, here); `Arm.spec()` writes them back as compact text
+(`NumericPolicy.compact`), and a built-in arm as its name.
 """
 
 from __future__ import annotations
@@ -24,16 +28,15 @@ import dataclasses
 import re
 
 from jaxalign.numerics import NumericPolicy
-from jaxalign.rl.correction import CorrectionConfig
-
-REPLAYS = ("none", "r2", "r3")
+from jaxalign.replay_modes import REPLAY_MODES
+from jaxalign.rl.correction import BYPASS, DECOUPLED, CorrectionConfig
 OPTIONS = ("correction", "replay")
 BUILTIN = {
     "aligned": "aligned=aligned-bf16/aligned-bf16",
     "misaligned": "misaligned=train-bf16/serve-bf16",
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-GRAMMAR = ("NAME=TRAINER/ENGINE[;correction=MODE][;replay=none|r2|r3], e.g. "
+GRAMMAR = (f"NAME=TRAINER/ENGINE[;correction=MODE][;replay={'|'.join(REPLAY_MODES)}], e.g. "
            "'mine=aligned-bf16,kernel=xla/serve-bf16;correction=tis:2+rs:seq_mean_k1:0.999_1.001;replay=r3' "
            "or a built-in name (" + ", ".join(BUILTIN) + ")")
 
@@ -44,8 +47,8 @@ class Arm:
     and a router-replay mode."""
 
     name: str
-    trainer: str
-    engine: str
+    trainer: NumericPolicy  # a policy string is accepted and parsed
+    engine: NumericPolicy
     correction: str | None = None
     replay: str = "none"
 
@@ -53,12 +56,10 @@ class Arm:
         if not _NAME.match(self.name):
             raise ValueError(f"arm name {self.name!r}: allowed letters, digits and _ . + - (it names a directory)")
         for side in ("trainer", "engine"):
-            try:
-                NumericPolicy.parse(getattr(self, side))
-            except ValueError as err:
-                raise ValueError(f"arm {self.name!r}: {side} policy: {err}") from None
-        if self.replay not in REPLAYS:
-            raise ValueError(f"arm {self.name!r}: replay {self.replay!r}; allowed: {', '.join(REPLAYS)}")
+            object.__setattr__(self, side, NumericPolicy.coerce(getattr(self, side),
+                                                                label=f"arm {self.name!r}: {side} policy"))
+        if self.replay not in REPLAY_MODES:
+            raise ValueError(f"arm {self.name!r}: replay {self.replay!r}; allowed: {', '.join(REPLAY_MODES)}")
         if self.correction is not None:
             try:
                 correction_settings(self.correction, CorrectionConfig())
@@ -66,10 +67,12 @@ class Arm:
                 raise ValueError(f"arm {self.name!r}: {err}") from None
 
     def spec(self) -> str:
-        """The canonical `--arm` string of this arm."""
+        """The canonical `--arm` string of this arm (a built-in arm's name when it is that built-in)."""
+        if self.name in BUILTIN and parse_arm(self.name) == self:
+            return self.name
         options = "".join(f";{k}={v}" for k, v in (("correction", self.correction), ("replay", self.replay))
                           if v is not None and not (k == "replay" and v == "none"))
-        return f"{self.name}={self.trainer}/{self.engine}{options}"
+        return f"{self.name}={self.trainer.compact()}/{self.engine.compact()}{options}"
 
     def settings(self, default: CorrectionConfig) -> dict:
         """The RLConfig fields this arm sets: trainer_policy, engine_policy, mode, correction, replay."""
@@ -81,19 +84,19 @@ class Arm:
 def correction_settings(text: str | None, default: CorrectionConfig) -> tuple[str, CorrectionConfig]:
     """(mode, CorrectionConfig) of a correction mode string (module docstring); None gives `default`."""
     if text is None:
-        return "decoupled", default
+        return DECOUPLED, default
     parts = [p.strip() for p in text.split("+")]
     if parts == ["none"]:
-        return "decoupled", CorrectionConfig(is_level="none", rs=())
-    mode = "decoupled"
-    if parts[0] == "bypass":
-        mode, parts = "bypass", parts[1:]
+        return DECOUPLED, CorrectionConfig(is_level="none", rs=())
+    mode = DECOUPLED
+    if parts[0] == BYPASS:
+        mode, parts = BYPASS, parts[1:]
     is_level, threshold, rs = "none", "2.0", []
     for part in parts:
         kind, _, value = part.partition(":")
         if kind == "rs" and value:
             rs.append(value)
-        elif kind in ("tis", "seq-tis", "icepop") and mode == "decoupled":
+        elif kind in ("tis", "seq-tis", "icepop") and mode == DECOUPLED:
             if is_level != "none":
                 raise ValueError(f"correction {text!r}: at most one of tis, seq-tis, icepop")
             is_level = "sequence" if kind == "seq-tis" else "token"
@@ -109,8 +112,13 @@ def correction_settings(text: str | None, default: CorrectionConfig) -> tuple[st
                                   normalize_weights=default.normalize_weights)
 
 
-def parse_arm(text: str) -> Arm:
-    """An `Arm` from its `--arm` string (see the module docstring); a clear error on anything else."""
+def parse_arm(text: "str | Arm") -> Arm:
+    """An `Arm` from its `--arm` string (see the module docstring); a clear error on anything else. An `Arm`
+    passes through."""
+    if isinstance(text, Arm):
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"an arm must be an Arm or an --arm string, got {type(text).__name__}; {GRAMMAR}")
     text = text.strip()
     if text in BUILTIN:
         text = BUILTIN[text]
@@ -142,7 +150,8 @@ def parse_arm(text: str) -> Arm:
 
 
 def parse_arms(texts) -> tuple[Arm, ...]:
-    """Parse every `--arm`; arms whose names collide (they would write the same directory) are an error."""
+    """Parse every `--arm` (or pass `Arm`s through); arms whose names collide (they would write the same
+    directory) are an error."""
     arms = tuple(parse_arm(t) for t in texts)
     if not arms:
         raise ValueError(f"at least one arm is needed; {GRAMMAR}")

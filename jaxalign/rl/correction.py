@@ -40,6 +40,11 @@ import numpy as np
 
 from jaxalign.align.metrics import LOG_RATIO_CLAMP, mismatch_metrics, paired_logprobs, verl_offpolicy_metrics
 
+# What the PPO ratio is taken against: decoupled = the trainer's recomputed old-policy logprobs (IS weights and
+# rejection correct for the engine's); bypass = the engine's logprobs themselves (pi_old := pi_rollout)
+DECOUPLED, BYPASS = "decoupled", "bypass"
+MODES = (DECOUPLED, BYPASS)
+IS_LEVELS = ("token", "sequence", "none")
 RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
             "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
@@ -70,8 +75,8 @@ class CorrectionConfig:
     normalize_weights: bool = False
 
     def __post_init__(self):
-        if self.is_level not in ("token", "sequence", "none"):
-            raise ValueError(f"is_level = {self.is_level!r}; allowed: token, sequence, none")
+        if self.is_level not in IS_LEVELS:
+            raise ValueError(f"is_level = {self.is_level!r}; allowed: {', '.join(IS_LEVELS)}")
         if "_" in self.is_threshold:
             _band(self.is_threshold)
         else:

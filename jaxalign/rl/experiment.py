@@ -34,9 +34,10 @@ DEFAULT_RS = ("seq_mean_k1:0.999_1.001",)  # verl's "geometric" rejection sampli
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """What `jaxalign experiment countdown` runs. `arms` are `--arm` strings (`jaxalign.rl.arms`)."""
+    """What `jaxalign experiment countdown` runs. `arms` are `Arm`s (`jaxalign.rl.arms`; `--arm` strings are
+    accepted and parsed once, here); `to_dict()` writes them back as `--arm` strings."""
 
-    arms: tuple[str, ...] = ("aligned", "misaligned")
+    arms: tuple[Arm, ...] = ("aligned", "misaligned")
     seeds: tuple[int, ...] = (0,)
     steps: int = 30
     model: str = "countdown"
@@ -55,7 +56,7 @@ class ExperimentConfig:
     engine_mesh: str = ""
 
     def __post_init__(self):
-        parse_arms(self.arms)
+        object.__setattr__(self, "arms", parse_arms(self.arms))
         if not self.seeds:
             raise ValueError("at least one seed is needed")
         if len(set(self.seeds)) != len(self.seeds):
@@ -64,8 +65,15 @@ class ExperimentConfig:
         self.task()
 
     def parsed_arms(self) -> tuple[Arm, ...]:
-        """The arms, parsed."""
-        return parse_arms(self.arms)
+        """The arms (kept for callers of the string-holding config; `arms` is parsed already)."""
+        return self.arms
+
+    def to_dict(self) -> dict:
+        """JSON-ready form: arms as their `--arm` strings (`Arm.spec`), nested configs as dicts."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["arms"] = [arm.spec() for arm in self.arms]
+        out["sft"] = dataclasses.asdict(self.sft)
+        return json.loads(json.dumps(out))
 
     def task(self) -> CountdownTask:
         """The Countdown task every arm trains on."""
@@ -88,7 +96,7 @@ def run_config(exp: ExperimentConfig, arm: Arm, seed: int) -> RLConfig:
 
 def experiment_record(exp: ExperimentConfig) -> dict:
     """What the experiment directory's `run.json` holds (settings, build, host)."""
-    return rundir.make_record({"experiment": dataclasses.asdict(exp)})
+    return rundir.make_record({"experiment": exp.to_dict()})
 
 
 def run_arms(exp: ExperimentConfig, out_dir: str, *, progress: bool = True, what: str = "experiment") -> dict:
@@ -153,10 +161,11 @@ def summarize(runs: dict, exp: ExperimentConfig) -> dict:
         keys = [k for k in per_seed[0] if k != "seed"]
         spread = {f"{k}_std": float(np.std([s[k] for s in per_seed], ddof=1)) if len(per_seed) > 1 else 0.0
                   for k in ("warm_start_reward", "final_reward", "peak_reward", "rise")}
-        arms[spec.name] = {"policies": {"trainer": spec.trainer, "engine": spec.engine}, "spec": spec.spec(),
+        arms[spec.name] = {"policies": {"trainer": spec.trainer.compact(), "engine": spec.engine.compact()},
+                           "spec": spec.spec(),
                            **{k: float(np.mean([s[k] for s in per_seed])) for k in keys}, **spread,
                            "per_seed": per_seed}
-    return {"config": json.loads(json.dumps(dataclasses.asdict(exp))), "arms": arms}
+    return {"config": exp.to_dict(), "arms": arms}
 
 
 SUMMARY_COLUMNS = ["arm", "warm_start_reward", "final_reward", "final_reward_std", "peak_reward", "rise", "rise_std",

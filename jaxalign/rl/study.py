@@ -23,6 +23,8 @@ import numpy as np
 from jaxalign import report
 from jaxalign.rl.experiment import ExperimentConfig, run_arms, seed_summary
 
+STUDY_STEPS = 200  # `jaxalign experiment countdown --study gap` defaults: long runs, three seeds
+STUDY_SEEDS = (0, 1, 2)
 COLLAPSE_WINDOW = 10
 COLLAPSE_FRACTION = 0.5
 CORRECTED = "tis:2+rs:seq_mean_k1:0.999_1.001"
@@ -78,7 +80,7 @@ def study_rows(runs: dict, exp: ExperimentConfig) -> list[dict]:
         std = lambda key: float(np.std([s[key] for s in per_seed], ddof=1)) if len(per_seed) > 1 else 0.0  # noqa
         rung, _, correction = arm.name.partition(".")
         rows.append({"arm": arm.name, "rung": rung, "correction": correction or arm.correction,
-                     "trainer": arm.trainer, "engine": arm.engine, "gap_k3": mean("mean_k3"),
+                     "trainer": arm.trainer.compact(), "engine": arm.engine.compact(), "gap_k3": mean("mean_k3"),
                      "warm_start_reward": mean("warm_start_reward"), "final_reward": mean("final_reward"),
                      "final_reward_std": std("final_reward"), "peak_reward": mean("peak_reward"),
                      "collapsed_seeds": f"{len(collapses)}/{len(per_seed)}",
@@ -97,7 +99,7 @@ def run_study(exp: ExperimentConfig, out_dir: str, *, progress: bool = True, arm
     returns {"config", "rows", "plots"}."""
     exp = dataclasses.replace(exp, arms=tuple(arms) if arms else ladder_arms())
     runs = run_arms(exp, out_dir, progress=progress, what="gap study")
-    result = {"config": json.loads(json.dumps(dataclasses.asdict(exp))), "rows": study_rows(runs, exp),
+    result = {"config": exp.to_dict(), "rows": study_rows(runs, exp),
               "collapse": {"window": COLLAPSE_WINDOW, "fraction": COLLAPSE_FRACTION}}
     with open(os.path.join(out_dir, "study.json"), "w") as f:
         json.dump(result, f, indent=2)

@@ -42,20 +42,19 @@ from jaxalign.numerics.collectives import replicate
 from jaxalign.numerics.optimizer import adamw
 from jaxalign.numerics.reduce import global_norm
 from jaxalign.rl import rundir, tokenizer
-from jaxalign.rl.correction import CorrectionConfig, correct
+from jaxalign.replay_modes import REPLAY_MODES, check_replay
+from jaxalign.rl.correction import BYPASS, DECOUPLED, MODES, CorrectionConfig, correct
 from jaxalign.rl.grpo import GRPOConfig, group_advantages, policy_loss
 from jaxalign.rl.task import PROMPT_WIDTH, CountdownTask, Task  # noqa: F401  (PROMPT_WIDTH: used by sft)
 
-MODES = ("decoupled", "bypass")
-REPLAYS = ("none", "r2", "r3")
 
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Everything an RL run depends on (besides the warm-start weights)."""
 
-    trainer_policy: str = "aligned-bf16"
-    engine_policy: str = "aligned-bf16"
+    trainer_policy: NumericPolicy = NumericPolicy.preset("aligned-bf16")  # a policy string is accepted and parsed
+    engine_policy: NumericPolicy = NumericPolicy.preset("aligned-bf16")
     steps: int = 20
     prompts_per_step: int = 8
     max_new_tokens: int = 24
@@ -63,7 +62,7 @@ class RLConfig:
     learning_rate: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    mode: str = "decoupled"
+    mode: str = DECOUPLED
     replay: str = "none"
     grpo: GRPOConfig = GRPOConfig()
     correction: CorrectionConfig = CorrectionConfig()
@@ -80,22 +79,29 @@ class RLConfig:
     engine_mesh: str = ""  # with several processes: a mesh over each process's own devices
 
     def __post_init__(self):
-        NumericPolicy.parse(self.trainer_policy)
-        NumericPolicy.parse(self.engine_policy)
+        for side in ("trainer_policy", "engine_policy"):
+            object.__setattr__(self, side, NumericPolicy.coerce(getattr(self, side), label=side))
         parse_mesh_spec(self.trainer_mesh)
         parse_mesh_spec(self.engine_mesh)
         if self.mode not in MODES:
             raise ValueError(f"mode = {self.mode!r}; allowed: {', '.join(MODES)}")
-        if self.replay not in REPLAYS:
-            raise ValueError(f"replay = {self.replay!r}; allowed: {', '.join(REPLAYS)}")
+        check_replay(self.replay, REPLAY_MODES)
         for name in ("steps", "prompts_per_step", "max_new_tokens", "checkpoint_every", "eval_every",
                      "eval_problems"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} = {getattr(self, name)}; allowed: >= 1")
 
     def to_dict(self) -> dict:
-        """JSON-ready form."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """JSON-ready form; policies as compact text (`NumericPolicy.compact`)."""
+        out = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, NumericPolicy):
+                value = value.compact()
+            elif dataclasses.is_dataclass(value):
+                value = dataclasses.asdict(value)
+            out[field.name] = value
+        return json.loads(json.dumps(out))
 
 
 def clip_by_global_norm(max_norm: float, policy: NumericPolicy) -> optax.GradientTransformation:
@@ -165,7 +171,7 @@ def make_update(graphdef, policy: NumericPolicy, optimizer: optax.GradientTransf
     """The pure update `(params, opt_state, batch) -> (params, opt_state, metrics)`: one optimizer step on the
     PPO-clip loss of `batch` (a `TrainBatch`); metrics are `loss`, `grad_norm` and `policy_loss`'s statistics.
     Under `cross_device=ordered` the loss and the clipping norm are summed on one device, in one-device order."""
-    ordered = policy.cross_device == "ordered"
+    ordered = policy.ordered_cross_device
 
     def update(params, opt_state, batch: TrainBatch):
         def loss_fn(p):
@@ -202,11 +208,11 @@ class Trainer:
             if not has_lora(model):
                 add_lora(model, config.lora_rank, config.lora_alpha, config.lora_targets, seed=config.seed)
         self.model = model
-        self.trainer_policy = NumericPolicy.parse(config.trainer_policy)
+        self.trainer_policy = config.trainer_policy
         self.mesh = make_mesh(config.trainer_mesh) if config.trainer_mesh else None
         engine_devices = jax.local_devices() if jax.process_count() > 1 else None
         engine_mesh = make_mesh(config.engine_mesh, engine_devices) if config.engine_mesh else None
-        self.engine = Engine(model, NumericPolicy.parse(config.engine_policy), mesh=engine_mesh)
+        self.engine = Engine(model, config.engine_policy, mesh=engine_mesh)
         self.graphdef, self.params = nnx.split(model)
         self.params = shard_state(self.params, self.mesh)
         nnx.update(self.model, self.params)
@@ -304,9 +310,9 @@ class Trainer:
                                             replay=engine_routes if cfg.replay == "r3" else None, mesh=self.mesh)
         lp_old, old_indices = to_host(lp_old), to_host(old_record.indices)
         replay = {"none": None, "r3": engine_routes, "r2": old_indices}[cfg.replay]
-        logp_behaviour = logp_rollout if cfg.mode == "bypass" else lp_old  # the PPO ratio's denominator
+        logp_behaviour = logp_rollout if cfg.mode == BYPASS else lp_old  # the PPO ratio's denominator
         weights, accept, corr_metrics = correct(lp_old, logp_rollout, mask, cfg.correction)
-        if cfg.mode == "bypass":
+        if cfg.mode == BYPASS:
             weights = accept.astype(np.float32)  # pi_old := pi_rollout: the PPO ratio carries the mismatch
         logp_ref = None
         if self.reference is not None:
