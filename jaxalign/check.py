@@ -35,6 +35,8 @@ from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.precision import check_backend
 from jaxalign.numerics.reduce import rms_norm, softmax
 
+CHECK_MODEL = "tiny"  # what `jaxalign check` validates by default: a tiny model, the aligned pair
+CHECK_PAIR = {"trainer": "aligned-bf16", "engine": "aligned-bf16"}
 THRESHOLD_K3 = 1e-3
 THRESHOLD_ROUTE_FLIPS = 0.0
 PROBE_BATCHES = (1, 2, 3, 8, 13, 32)
@@ -71,7 +73,7 @@ def environment() -> dict:
 def batch_invariant(policy: NumericPolicy) -> bool:
     """Whether the policy claims that a row's bits do not depend on its batch: a fixed-tile matmul kernel, tree
     reductions and a dispatch that drops nothing."""
-    return policy.matmul_kernel != "xla" and policy.reduction == "tree" and policy.capacity_factor is None
+    return policy.batch_invariant_kernel and policy.tree_reduction and policy.capacity_factor is None
 
 
 def claims_alignment(trainer: NumericPolicy, engine: NumericPolicy) -> bool:
@@ -247,14 +249,6 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _policy_arg(text: str) -> NumericPolicy:
-    import argparse
-    try:
-        return NumericPolicy.parse(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 def _batches_arg(text: str) -> tuple[int, ...]:
     import argparse
     try:
@@ -268,30 +262,25 @@ def _batches_arg(text: str) -> tuple[int, ...]:
 
 def add_parser(sub) -> None:
     """Add the `check` subcommand to the `jaxalign` command's subparsers."""
+    from jaxalign.cli_args import (add_generation_args, add_json_arg, add_model_args, add_policy_args,
+                                   add_replay_arg)
     p = sub.add_parser("check", help="validate a model and a trainer/engine policy pair on this backend: precision "
                                      "audit, batch-invariance probes, trainer-engine gaps (exit 1 on a failure)")
-    p.add_argument("--model", default="tiny", help="a model preset, a transformers checkpoint directory or a "
-                                                   "jaxalign checkpoint directory (default tiny)")
-    p.add_argument("--model-seed", type=int, default=0, help="parameter init seed of a preset")
-    p.add_argument("--trainer", type=_policy_arg, default=NumericPolicy.preset("aligned-bf16"),
-                   help="trainer policy (preset or string; default aligned-bf16)")
-    p.add_argument("--engine", type=_policy_arg, default=NumericPolicy.preset("aligned-bf16"),
-                   help="engine policy (default aligned-bf16)")
+    add_model_args(p, default=CHECK_MODEL, help=f"a model preset, a transformers checkpoint directory or a "
+                                                 f"jaxalign checkpoint directory (default {CHECK_MODEL})")
+    add_policy_args(p, **CHECK_PAIR)
     p.add_argument("--engine-batch", type=_batches_arg, default=ENGINE_BATCHES,
                    help="engine batch sizes (default 1,8,32); the largest also runs continuous batching and "
                         "chunked prefill")
     p.add_argument("--probe-batch", type=_batches_arg, default=PROBE_BATCHES,
                    help="batch sizes of the kernel probes (default 1,2,3,8,13,32)")
-    p.add_argument("--prompts", type=int, default=None, help="prompts per run (default: the largest engine batch)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--replay", choices=("none", "r2", "r3"), default="none",
-                   help="router replay on the trainer side (r3: the engine's experts)")
+    add_generation_args(p, func=run_check, prompts_help="prompts per run (default: the largest engine batch)")
+    add_replay_arg(p, func=run_check, help="router replay on the trainer side (r3: the engine's experts)")
     p.add_argument("--max-k3", type=float, default=THRESHOLD_K3,
                    help=f"largest k3 a non-aligned pair may show (default {THRESHOLD_K3}, the seed's 'equivalent')")
     p.add_argument("--max-route-flips", type=float, default=THRESHOLD_ROUTE_FLIPS,
                    help="largest fraction of router decisions a non-aligned pair may flip (default 0)")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object (docs/check.md)")
+    add_json_arg(p, "print the report as one JSON object (docs/check.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_check)
 

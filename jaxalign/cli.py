@@ -10,19 +10,20 @@ import traceback
 from flax import nnx
 
 from jaxalign import report, runtime
+from jaxalign.cli_args import (add_generation_args, add_json_arg, add_mesh_args, add_model_args, add_policy_args,
+                               add_replay_arg, field_default, meshes, param_default, policy_arg)
 from jaxalign.model.config import ModelConfig, preset_names
 from jaxalign.model.transformer import Transformer
-from jaxalign.numerics import FIELDS, PRESETS, NumericPolicy
+from jaxalign.numerics import FIELDS, PRESETS
+from jaxalign.replay_modes import ENGINE_REPLAY_MODES
 
 COMPARE_COLUMNS = ["engine_batch", "kl", "k3_kl", "chi2_token", "max_abs_logp_diff", "bitwise_equal_fraction",
                    "route_flip_rate", "route_token_any_flip", "n_tokens"]
 
 
-def _policy(text: str) -> NumericPolicy:
-    try:
-        return NumericPolicy.parse(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+# the pair compare and localize study by default: a typical trainer and a fast serving engine
+GAP_PAIR = {"trainer": "train-bf16", "engine": "serve-bf16"}
+COMMAND_MODEL = "small"  # the model preset compare and localize build by default
 
 
 def _ints(minimum: int, example: str):
@@ -58,7 +59,7 @@ def cmd_policies(args) -> int:
     if args.json:
         print(report.to_json({name: p.to_dict() | {"string": str(p)} for name, p in PRESETS.items()}))
         return 0
-    rows = [{"field": f"{name} ({spec.key})", **{p: getattr(PRESETS[p], name) for p in PRESETS}}
+    rows = [{"field": f"{name} ({spec.key})", **{p: PRESETS[p].to_dict()[name] for p in PRESETS}}
             for name, spec in FIELDS.items()]
     print(report.table(rows, ["field", *PRESETS]))
     print("\nFields:")
@@ -67,32 +68,9 @@ def cmd_policies(args) -> int:
     return 0
 
 
-def _mesh_spec(text: str) -> str:
-    from jaxalign.model.sharding import parse_mesh_spec
-    try:
-        parse_mesh_spec(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
-
-
-def _meshes(args):
-    """(trainer mesh, engine mesh) from --trainer-mesh / --engine-mesh (None where not given)."""
-    from jaxalign.model.sharding import make_mesh
-    return tuple(None if spec is None else make_mesh(spec) for spec in (args.trainer_mesh, args.engine_mesh))
-
-
-def _add_mesh_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trainer-mesh", type=_mesh_spec, default=None,
-                   help="trainer-side device mesh, e.g. fsdp=4,tensor=2 (axes data, fsdp, expert, tensor)")
-    p.add_argument("--engine-mesh", type=_mesh_spec, default=None, help="engine-side device mesh, e.g. tensor=8")
-    p.add_argument("--host-devices", type=int, default=None,
-                   help="on CPU, fake this many devices (sets XLA_FLAGS before JAX starts)")
-
-
 def cmd_compare(args) -> int:
     from jaxalign.align.compare import compare
-    trainer_mesh, engine_mesh = _meshes(args)
+    trainer_mesh, engine_mesh = meshes(args)
     result = compare(build_model(args.model, args.model_seed), args.trainer, args.engine, replay=args.replay,
                      n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, engine_batches=args.engine_batch,
                      schedule=args.schedule, prefill_chunk=args.prefill_chunk, seed=args.seed,
@@ -110,7 +88,7 @@ def cmd_compare(args) -> int:
 
 def cmd_localize(args) -> int:
     from jaxalign.align.localize import localize
-    trainer_mesh, engine_mesh = _meshes(args)
+    trainer_mesh, engine_mesh = meshes(args)
     result = localize(build_model(args.model, args.model_seed), args.trainer, args.engine, n_prompts=args.prompts,
                       max_new_tokens=args.max_new_tokens, seed=args.seed, replay=args.replay,
                       trainer_mesh=trainer_mesh, engine_mesh=engine_mesh)
@@ -183,14 +161,15 @@ def _str_list(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
-def _arms(args) -> tuple[str, ...]:
-    """The experiment's arm strings from --arm (repeatable) or the older --arms NAME,NAME (built-ins only)."""
+def _arms(args):
+    """The experiment's arms from --arm (repeatable) or the older --arms NAME,NAME (built-ins only), parsed
+    (a clear error before anything runs); ExperimentConfig's default arms when neither is given."""
     from jaxalign.rl.arms import parse_arms
+    from jaxalign.rl.experiment import ExperimentConfig
     if args.arm and args.arms:
         raise ValueError("give arms with --arm (repeatable) or --arms NAME,NAME, not both")
-    arms = tuple(args.arm) if args.arm else (tuple(args.arms) if args.arms else ("aligned", "misaligned"))
-    parse_arms(arms)  # a clear error before anything runs
-    return arms
+    arms = tuple(args.arm) if args.arm else (tuple(args.arms) if args.arms else field_default(ExperimentConfig, "arms"))
+    return parse_arms(arms)
 
 
 def _count_range(text: str) -> tuple[int, int]:
@@ -207,9 +186,12 @@ def _count_range(text: str) -> tuple[int, int]:
 def cmd_experiment(args) -> int:
     from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
     from jaxalign.rl.sft import SFTConfig
+    from jaxalign.rl.study import STUDY_SEEDS, STUDY_STEPS
     study = args.study is not None
-    steps = args.steps if args.steps is not None else (200 if study else 30)
-    seeds = tuple(args.seeds) if args.seeds is not None else ((0, 1, 2) if study else (0,))
+    steps = args.steps if args.steps is not None else (STUDY_STEPS if study else field_default(ExperimentConfig,
+                                                                                                "steps"))
+    seeds = tuple(args.seeds) if args.seeds is not None else (STUDY_SEEDS if study else field_default(
+        ExperimentConfig, "seeds"))
     exp = ExperimentConfig(arms=_arms(args), seeds=seeds, steps=steps,
                            prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                            max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
@@ -235,6 +217,54 @@ def cmd_experiment(args) -> int:
     return 0
 
 
+def _add_experiment_parser(sub) -> None:
+    """`jaxalign experiment countdown`: every default is ExperimentConfig's (or SFTConfig's) field default."""
+    from jaxalign.rl.arms import BUILTIN, GRAMMAR
+    from jaxalign.rl.experiment import ExperimentConfig
+    from jaxalign.rl.sft import SFTConfig
+    from jaxalign.rl.study import STUDY_SEEDS, STUDY_STEPS
+    exp = lambda name: field_default(ExperimentConfig, name)  # noqa: E731
+    p = sub.add_parser("experiment", help="RL experiments")
+    esub = p.add_subparsers(dest="experiment", required=True)
+    e = esub.add_parser("countdown", help="GRPO on Countdown, one arm per numeric set-up, same warm start, "
+                                          "problems and seeds")
+    e.add_argument("--arm", action="append", default=[], metavar="SPEC",
+                   help=f"an arm, repeatable: {GRAMMAR} (policies may contain commas; see jaxalign.rl.arms); "
+                        f"default: {' and '.join(exp('arms'))}")
+    e.add_argument("--arms", type=_str_list, default=None,
+                   help=f"built-in arm names ({', '.join(BUILTIN)}), comma-separated (older form)")
+    e.add_argument("--study", choices=("gap",), default=None,
+                   help="gap: the dose-response study over a ladder of engine policies, with and without "
+                        "correction (--arm then replaces the ladder)")
+    e.add_argument("--steps", type=int, default=None, help=f"default {exp('steps')} (the study: {STUDY_STEPS})")
+    e.add_argument("--seeds", type=_int_list_nonneg, default=None,
+                   help=f"e.g. 0,1,2 (default {_ints_text(exp('seeds'))}; the study: {_ints_text(STUDY_SEEDS)})")
+    for name in ("prompts_per_step", "group_size", "max_new_tokens", "eval_every", "eval_problems", "max_target"):
+        e.add_argument("--" + name.replace("_", "-"), type=int, default=exp(name))
+    e.add_argument("--learning-rate", type=float, default=exp("learning_rate"))
+    e.add_argument("--is-threshold", default=exp("is_threshold"),
+                   help="default correction: TIS cap C, or lo_hi for IcePop")
+    e.add_argument("--rs", type=_str_list, default=exp("rs"),
+                   help="default correction: rejection rules MODE:THRESHOLD, comma-separated (empty string: none)")
+    e.add_argument("--problem-count", type=_count_range, default=exp("problem_count"),
+                   help="how many numbers a problem has: N or MIN-MAX within 2..4 (default "
+                        f"{_count_text(exp('problem_count'))})")
+    e.add_argument("--sft-steps", type=int, default=field_default(SFTConfig, "steps"))
+    e.add_argument("--sft-problems", type=int, default=field_default(SFTConfig, "problems"))
+    e.add_argument("--out", required=True, help="output directory (resumes runs found there)")
+    add_json_arg(e)
+    add_mesh_args(e)
+    e.set_defaults(func=cmd_experiment)
+
+
+def _ints_text(values) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def _count_text(count: tuple[int, int]) -> str:
+    return str(count[0]) if count[0] == count[1] else f"{count[0]}-{count[1]}"
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxalign", description=(
         "One MoE transformer under two numeric policies (trainer and rollout engine): measure, localise and "
@@ -255,68 +285,33 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a much smaller run (used by the tests)")
     p.set_defaults(func=cmd_demo)
 
+    from jaxalign.align.compare import compare
+    from jaxalign.align.localize import localize
+    from jaxalign.engine.engine import SCHEDULES
     p = sub.add_parser("compare", help="generate with the engine policy, score with the trainer policy, "
                                        "report KL / k3 / route flips per engine batch size")
-    p.add_argument("--model", type=_model_preset, default="small", help="model preset (default small)")
-    p.add_argument("--model-seed", type=int, default=0, help="parameter init seed")
-    p.add_argument("--trainer", type=_policy, default=PRESETS["train-bf16"], help="trainer policy (preset or string)")
-    p.add_argument("--engine", type=_policy, default=PRESETS["serve-bf16"], help="engine policy")
-    p.add_argument("--replay", choices=("none", "r2", "r3"), default="none", help="router replay mode")
-    p.add_argument("--prompts", type=int, default=16, help="number of prompts")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--engine-batch", type=_int_list, default=[8], help="engine batch sizes, e.g. 1,8,32")
-    p.add_argument("--schedule", choices=("static", "continuous"), default="static")
-    p.add_argument("--prefill-chunk", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
-    p.add_argument("--json", action="store_true", help="one JSON object with all metrics per engine batch size")
-    _add_mesh_args(p)
+    add_model_args(p, default=COMMAND_MODEL, model_type=_model_preset, help=f"model preset (default {COMMAND_MODEL})")
+    add_policy_args(p, **GAP_PAIR)
+    add_replay_arg(p, func=compare, help="router replay mode")
+    add_generation_args(p, func=compare)
+    p.add_argument("--engine-batch", type=_int_list, default=list(param_default(compare, "engine_batches")),
+                   help="engine batch sizes, e.g. 1,8,32")
+    p.add_argument("--schedule", choices=SCHEDULES, default=param_default(compare, "schedule"))
+    p.add_argument("--prefill-chunk", type=int, default=param_default(compare, "prefill_chunk"))
+    add_json_arg(p, "one JSON object with all metrics per engine batch size")
+    add_mesh_args(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("localize", help="rank the policy fields, layers and modules that carry the gap")
-    p.add_argument("--model", type=_model_preset, default="small", help="model preset (default small)")
-    p.add_argument("--model-seed", type=int, default=0, help="parameter init seed")
-    p.add_argument("--trainer", type=_policy, default=PRESETS["train-bf16"], help="trainer policy (A)")
-    p.add_argument("--engine", type=_policy, default=PRESETS["serve-bf16"], help="engine policy (B)")
-    p.add_argument("--replay", choices=("none", "r3"), default="none", help="router replay on the trainer side")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="one JSON object")
-    _add_mesh_args(p)
+    add_model_args(p, default=COMMAND_MODEL, model_type=_model_preset, help=f"model preset (default {COMMAND_MODEL})")
+    add_policy_args(p, **GAP_PAIR, trainer_help="trainer policy (A)", engine_help="engine policy (B)")
+    add_replay_arg(p, func=localize, choices=ENGINE_REPLAY_MODES, help="router replay on the trainer side")
+    add_generation_args(p, func=localize)
+    add_json_arg(p)
+    add_mesh_args(p)
     p.set_defaults(func=cmd_localize)
 
-    p = sub.add_parser("experiment", help="RL experiments")
-    esub = p.add_subparsers(dest="experiment", required=True)
-    e = esub.add_parser("countdown", help="GRPO on Countdown, one arm per numeric set-up, same warm start, "
-                                          "problems and seeds")
-    e.add_argument("--arm", action="append", default=[], metavar="SPEC",
-                   help="an arm, repeatable: NAME=TRAINER/ENGINE[;correction=MODE][;replay=none|r2|r3] (policies "
-                        "may contain commas; see jaxalign.rl.arms), or a built-in name (aligned, misaligned); "
-                        "default: aligned and misaligned")
-    e.add_argument("--arms", type=_str_list, default=None, help="built-in arm names, comma-separated (older form)")
-    e.add_argument("--study", choices=("gap",), default=None,
-                   help="gap: the dose-response study over a ladder of engine policies, with and without "
-                        "correction (--arm then replaces the ladder)")
-    e.add_argument("--steps", type=int, default=None, help="default 30 (the study: 200)")
-    e.add_argument("--seeds", type=_int_list_nonneg, default=None, help="e.g. 0,1,2 (default 0; the study: 0,1,2)")
-    e.add_argument("--prompts-per-step", type=int, default=8)
-    e.add_argument("--group-size", type=int, default=4)
-    e.add_argument("--max-new-tokens", type=int, default=24)
-    e.add_argument("--learning-rate", type=float, default=3e-4)
-    e.add_argument("--is-threshold", default="2.0", help="default correction: TIS cap C, or lo_hi for IcePop")
-    e.add_argument("--rs", type=_str_list, default=("seq_mean_k1:0.999_1.001",),
-                   help="default correction: rejection rules MODE:THRESHOLD, comma-separated (empty string: none)")
-    e.add_argument("--eval-every", type=int, default=5)
-    e.add_argument("--eval-problems", type=int, default=64)
-    e.add_argument("--problem-count", type=_count_range, default=(3, 3),
-                   help="how many numbers a problem has: N or MIN-MAX within 2..4 (default 3)")
-    e.add_argument("--max-target", type=int, default=99, help="largest target (default 99)")
-    e.add_argument("--sft-steps", type=int, default=600)
-    e.add_argument("--sft-problems", type=int, default=4000)
-    e.add_argument("--out", required=True, help="output directory (resumes runs found there)")
-    e.add_argument("--json", action="store_true")
-    _add_mesh_args(e)
-    e.set_defaults(func=cmd_experiment)
+    _add_experiment_parser(sub)
 
     p = sub.add_parser("import-hf", help="convert a transformers checkpoint directory to a jaxalign (orbax) "
                                          "checkpoint")
@@ -333,7 +328,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-seed", type=int, default=0)
     g.add_argument("--hf", help="a transformers checkpoint directory instead of a preset")
     g.add_argument("--save-hf", help="also write the model as a transformers checkpoint here")
-    g.add_argument("--policy", type=_policy, default=PRESETS["fp32"])
+    g.add_argument("--policy", type=policy_arg, default=PRESETS["fp32"])
     g.add_argument("--prompts", required=True, help="JSONL {\"tokens\": [...]} or lines of token ids")
     g.add_argument("--top-n", type=int, default=5)
     g.add_argument("--out", required=True)

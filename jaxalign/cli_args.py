@@ -1,0 +1,98 @@
+"""The argument groups the `jaxalign` subcommands share (model, trainer/engine policy, replay, generation,
+meshes, --json), built once. Defaults come from where the behaviour is defined -- the signature of the function
+a command calls (`compare`, `localize`, `run_check`) or a config dataclass's field -- never from a repeated
+literal here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+from jaxalign.numerics import NumericPolicy
+from jaxalign.replay_modes import REPLAY_MODES
+
+
+def param_default(func: Callable, name: str) -> Any:
+    """The default of parameter `name` of `func` (the one definition of a command's default)."""
+    default = inspect.signature(func).parameters[name].default
+    if default is inspect.Parameter.empty:
+        raise TypeError(f"{func.__qualname__}() has no default for {name!r}")
+    return default
+
+
+def field_default(config_class: type, name: str) -> Any:
+    """The default of field `name` of a config dataclass."""
+    field = {f.name: f for f in dataclasses.fields(config_class)}[name]
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    raise TypeError(f"{config_class.__name__}.{name} has no default")
+
+
+def policy_arg(text: str) -> NumericPolicy:
+    """An argparse type: a policy string (a preset, optionally with overrides), parsed once."""
+    try:
+        return NumericPolicy.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_model_args(p: argparse.ArgumentParser, *, default: str | None, model_type: Callable | None = None,
+                   help: str) -> None:
+    """--model and --model-seed."""
+    p.add_argument("--model", type=model_type, default=default, help=help)
+    p.add_argument("--model-seed", type=int, default=0, help="parameter init seed")
+
+
+def add_policy_args(p: argparse.ArgumentParser, *, trainer: str, engine: str, trainer_help: str = "trainer policy",
+                    engine_help: str = "engine policy") -> None:
+    """--trainer and --engine: policy strings, parsed once; defaults are preset names."""
+    p.add_argument("--trainer", type=policy_arg, default=NumericPolicy.preset(trainer),
+                   help=f"{trainer_help} (preset or string; default {trainer})")
+    p.add_argument("--engine", type=policy_arg, default=NumericPolicy.preset(engine),
+                   help=f"{engine_help} (default {engine})")
+
+
+def add_replay_arg(p: argparse.ArgumentParser, *, func: Callable, choices: tuple[str, ...] = REPLAY_MODES,
+                   help: str) -> None:
+    """--replay, its choices from `jaxalign.replay_modes` and its default from `func`'s `replay` parameter."""
+    p.add_argument("--replay", choices=choices, default=param_default(func, "replay"), help=help)
+
+
+def add_generation_args(p: argparse.ArgumentParser, *, func: Callable, prompts_help: str = "number of prompts") -> None:
+    """--prompts, --max-new-tokens and --seed, with `func`'s defaults (`n_prompts`, `max_new_tokens`, `seed`)."""
+    p.add_argument("--prompts", type=int, default=param_default(func, "n_prompts"), help=prompts_help)
+    p.add_argument("--max-new-tokens", type=int, default=param_default(func, "max_new_tokens"))
+    p.add_argument("--seed", type=int, default=param_default(func, "seed"), help="prompt and sampling seed")
+
+
+def add_json_arg(p: argparse.ArgumentParser, help: str = "print the result as one JSON object") -> None:
+    """--json."""
+    p.add_argument("--json", action="store_true", help=help)
+
+
+def _mesh_spec(text: str) -> str:
+    from jaxalign.model.sharding import parse_mesh_spec
+    try:
+        parse_mesh_spec(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def add_mesh_args(p: argparse.ArgumentParser) -> None:
+    """--trainer-mesh, --engine-mesh and --host-devices."""
+    p.add_argument("--trainer-mesh", type=_mesh_spec, default=None,
+                   help="trainer-side device mesh, e.g. fsdp=4,tensor=2 (axes data, fsdp, expert, tensor)")
+    p.add_argument("--engine-mesh", type=_mesh_spec, default=None, help="engine-side device mesh, e.g. tensor=8")
+    p.add_argument("--host-devices", type=int, default=None,
+                   help="on CPU, fake this many devices (sets XLA_FLAGS before JAX starts)")
+
+
+def meshes(args: argparse.Namespace):
+    """(trainer mesh, engine mesh) from --trainer-mesh / --engine-mesh (None where not given)."""
+    from jaxalign.model.sharding import make_mesh
+    return tuple(None if spec is None else make_mesh(spec) for spec in (args.trainer_mesh, args.engine_mesh))
