@@ -10,12 +10,13 @@ from jaxalign.align.compare import compare, score_rollout
 from jaxalign.align.localize import localize
 from jaxalign.check import run_check
 from jaxalign.cli_args import field_default, param_default
-from jaxalign.numerics import NumericPolicy
+from jaxalign.model.config import ModelConfig
+from jaxalign.numerics import PRESETS, NumericPolicy
 from jaxalign.replay_modes import ENGINE_REPLAY_MODES, REPLAY_MODES, check_replay
 from jaxalign.rl.arms import Arm, parse_arm
 from jaxalign.rl.correction import MODES
 from jaxalign.rl.experiment import ExperimentConfig, experiment_record
-from jaxalign.rl.sft import SFTConfig
+from jaxalign.rl.sft import SFTConfig, cache_key
 from jaxalign.rl.trainer import RLConfig
 
 
@@ -67,6 +68,12 @@ def test_rl_configs_and_arms_hold_policies_and_write_text():
     assert exp.to_dict()["arms"] == ["aligned", "x=fp16/fp16,dispatch=sorted;correction=none"]
     assert dataclasses.replace(exp, steps=3).arms == exp.arms
     assert experiment_record(exp)["settings"]["experiment"] == exp.to_dict()
+
+    sft = SFTConfig(policy="fp32,kernel=tiled:4")
+    assert sft.policy == NumericPolicy.parse("fp32,kernel=tiled:4") and sft.to_dict()["policy"] == "fp32,kernel=tiled:4"
+    model = ModelConfig.preset("tiny")
+    assert cache_key(model, SFTConfig(), code="c") == cache_key(model, SFTConfig(policy=PRESETS["fp32"]), code="c")
+    assert cache_key(model, SFTConfig(), code="c") != cache_key(model, sft, code="c")
 
 
 def test_cli_defaults_come_from_the_definitions():

@@ -72,7 +72,7 @@ class ExperimentConfig:
         """JSON-ready form: arms as their `--arm` strings (`Arm.spec`), nested configs as dicts."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["arms"] = [arm.spec() for arm in self.arms]
-        out["sft"] = dataclasses.asdict(self.sft)
+        out["sft"] = self.sft.to_dict()
         return json.loads(json.dumps(out))
 
     def task(self) -> CountdownTask:

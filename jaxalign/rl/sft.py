@@ -35,8 +35,15 @@ class SFTConfig:
     learning_rate: float = 3e-3
     seed: int = 0
     max_new_tokens: int = 24
-    policy: str = "fp32"
+    policy: NumericPolicy = NumericPolicy.preset("fp32")  # a policy string is accepted and parsed
     problem_count: tuple[int, int] = (3, 3)
+
+    def __post_init__(self):
+        object.__setattr__(self, "policy", NumericPolicy.coerce(self.policy, label="SFTConfig.policy"))
+
+    def to_dict(self) -> dict:
+        """JSON-ready form; the policy as compact text (`NumericPolicy.compact`)."""
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "policy": self.policy.compact()}
 
 
 def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +79,7 @@ def code_fingerprint() -> str:
 
 def cache_key(model_config: ModelConfig, cfg: SFTConfig, code: str | None = None) -> str:
     """Stable key of (architecture, SFT settings, code): `code` defaults to `code_fingerprint()`."""
-    blob = json.dumps({"model": model_config.to_dict(), "sft": dataclasses.asdict(cfg),
+    blob = json.dumps({"model": model_config.to_dict(), "sft": cfg.to_dict(),
                        "code": code or code_fingerprint()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -87,7 +94,7 @@ def warm_start(model_config: ModelConfig, cfg: SFTConfig, cache_dir: str, *, pro
         return load_model(path)
     model = Transformer(model_config, rngs=nnx.Rngs(cfg.seed))
     tokens, mask = solution_traces(cfg)
-    policy = NumericPolicy.parse(cfg.policy)
+    policy = cfg.policy
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(cfg.learning_rate, 0.0, 1.0)
     opt_state = optimizer.init(params)
