@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxalign.align.compare import compare
-from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics import NumericPolicy, platforms
 from jaxalign.numerics.matmul import grouped_matmul, matmul
 from jaxalign.numerics.pallas_matmul import check_blocks, pallas_matmul
 
@@ -116,15 +116,10 @@ def test_pallas_grouped_rows_have_the_bits_of_their_expert_alone_and_gradients_a
         _within_f32_bound(np.asarray(dw)[e], x64[mine].T, c64[mine], f"dW[{e}]")
 
 
-def test_tpu_code_path_in_the_tpu_interpreter_gives_the_cpu_interpreter_bits(monkeypatch):
+def test_tpu_code_path_in_the_tpu_interpreter_gives_the_cpu_interpreter_bits():
     """The TPU variant of the kernels (scalar vectors in SMEM, TPU-legal blocks: whole dims under 128) run by
     Pallas' TPU interpreter, which simulates TPU memory spaces on the CPU, gives the bits of the CPU path for the
     grouped product and both its gradients. (Mosaic's lowering itself is not exercised here.)"""
-    from jax.experimental.pallas import tpu as pltpu
-
-    import jaxalign.numerics.pallas_grouped as pallas_grouped
-    import jaxalign.numerics.pallas_matmul as pallas_matmul_module
-
     rng = np.random.default_rng(5)
     sizes = jnp.asarray([5, 0, 11], jnp.int32)
     x = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
@@ -136,9 +131,7 @@ def test_tpu_code_path_in_the_tpu_interpreter_gives_the_cpu_interpreter_bits(mon
         return (y, *vjp(jnp.ones_like(y)))
 
     on_cpu = jax.jit(run)(x, w)
-    for module in (pallas_matmul_module, pallas_grouped):
-        monkeypatch.setattr(module, "backend", lambda: "tpu")
-    with pltpu.force_tpu_interpret_mode():
+    with platforms.simulate("tpu"):
         on_tpu = jax.jit(run)(x, w)
     for name, a, b in zip(("y", "dx", "dw"), on_cpu, on_tpu):
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
@@ -184,8 +177,13 @@ def test_a_block_shape_that_does_not_fit_a_mesh_or_an_unknown_backend_fails_at_t
         jax.eval_shape(lambda x: matmul(x, jnp.ones((64, 48)), NumericPolicy.parse("kernel=pallas:8x16x16")), x)
     monkeypatch.setattr(pallas_matmul_module, "mesh_active", lambda: False)
     monkeypatch.setattr(jax, "default_backend", lambda: "metal")
-    with pytest.raises(ValueError, match=r"backend 'metal' has no Pallas lowering.*allowed backends: cpu"):
+    with pytest.raises(ValueError, match=r"kernel = 'pallas:8x16x16': backend 'metal' has no Pallas lowering.*"
+                                         r"allowed backends: cpu"):
         jax.eval_shape(lambda x: matmul(x, jnp.ones((64, 48)), NumericPolicy.parse("kernel=pallas:8x16x16")), x)
+    # a platform without Pallas keeps the lax paths of xla and tiled:T
+    for kernel in ("xla", "tiled:8"):
+        assert jax.eval_shape(lambda x: matmul(x, jnp.ones((64, 48)), NumericPolicy.parse(f"kernel={kernel}")),
+                              x).shape == (3, 48)
 
 
 def test_pallas_kernel_changes_the_numbers_of_the_tiled_kernel():

@@ -21,20 +21,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxalign.numerics import platforms
 from jaxalign.numerics.dtypes import cast, dtype
 from jaxalign.numerics.pallas_matmul import _precision, _round_up, backend, refuse_mesh
 
 _NEVER = jnp.iinfo(jnp.int32).max  # position of padded keys (seen by no real query) and padded queries
 
 
-def check_attention_blocks(blocks: tuple[int, int, int], chunk: int, groups: int, head_dim: int, kernel: str,
+def check_attention_blocks(bm: int, chunk: int, groups: int, head_dim: int, kernel: str,
                            platform: str | None = None) -> None:
-    """Raise a ValueError unless the attention kernel's blocks are legal on `platform`: GPU (Triton) needs the
-    chunk, BM*G and the head dim powers of two >= 16; TPU (Mosaic) the chunk a multiple of 128 and BM*G a
-    multiple of 8."""
+    """Raise a ValueError unless the attention kernel's query block `bm` and chunk are legal on `platform`: GPU
+    (Triton) needs the chunk, BM*G and the head dim powers of two >= 16; TPU (Mosaic) the chunk a multiple of 128
+    and BM*G a multiple of 8."""
     refuse_mesh(kernel)
     platform = platform or backend()
-    rows = blocks[0] * groups
+    rows = bm * groups
     where = (f"NumericPolicy.attention = 'chunked:{chunk}' with matmul_kernel = {kernel!r} on backend "
              f"{platform!r} (query block BM*G = {rows}, head dim {head_dim})")
     if platform == "gpu":
@@ -76,11 +77,9 @@ def _kernel(qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, *, chunk, n_chunks, 
     o_ref[...] = acc / l.astype(jnp.float32)
 
 
-def _pallas_forward(qg, k, v, q_pos, k_pos, policy):
+def _pallas_forward(qg, k, v, q_pos, k_pos, policy, bm, platform):
     """qg [B, Q, KVH, G, D], k [B, KVH, D, K], v [B, KVH, K, D], q_pos [B, Q], k_pos [B, K] ->
-    float32 [B, Q, KVH, G, D]."""
-    platform = backend()
-    bm = policy.pallas_blocks[0]
+    float32 [B, Q, KVH, G, D], queries in blocks of `bm`, lowered for `platform`."""
     chunk = policy.attention_chunk
     b, nq, kvh, g, d = qg.shape
     nk = k.shape[-1]
@@ -108,21 +107,21 @@ def _pallas_forward(qg, k, v, q_pos, k_pos, policy):
                   pl.BlockSpec((None, None, d, kp), lambda i, h, j: (i, h, 0, 0)),
                   pl.BlockSpec((None, None, kp, d), lambda i, h, j: (i, h, 0, 0))],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i, h, j, 0)),
-        interpret=platform == "cpu",
+        interpret=platforms.interpret_mode(platform),
         name="jaxalign_chunked_attention",
     )(q_rows, k_pos, q, k, v)
     return jnp.transpose(out.reshape(b, kvh, qp, g, d)[:, :, :nq], (0, 2, 1, 3, 4))
 
 
-def pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy, lax_chunked):
-    """Chunked attention by the Pallas kernel (see the module docstring); `lax_chunked(qg, k, v)` is the lax
+def pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy, lax_chunked, bm: int, platform: str):
+    """Chunked attention by the Pallas kernel (see the module docstring), queries in blocks of `bm`, lowered
+    for `platform` (`numerics.kernels.select_attention` chooses both); `lax_chunked(qg, k, v)` is the lax
     implementation of the same policy, whose VJP serves as the gradient."""
-    check_attention_blocks(policy.pallas_blocks, policy.attention_chunk, qg.shape[3], qg.shape[4],
-                           policy.matmul_kernel)
+    check_attention_blocks(bm, policy.attention_chunk, qg.shape[3], qg.shape[4], policy.matmul_kernel, platform)
 
     @jax.custom_vjp
     def run(qg, k, v, q_pos, k_pos):
-        return _pallas_forward(qg, k, v, q_pos, k_pos, policy)
+        return _pallas_forward(qg, k, v, q_pos, k_pos, policy, bm, platform)
 
     def bwd(residuals, g):
         return (*jax.vjp(lax_chunked, *residuals)[1](g), None, None)
