@@ -276,3 +276,105 @@ def test_aligned_bf16_with_pallas_is_bitwise_between_trainer_and_engine():
     for run in result["runs"]:
         assert run["max_abs_logp_diff"] == 0.0 and run["bitwise_equal_fraction"] == 1.0, run
         assert run["route_flip_rate"] == 0.0 and run["k3_kl"] == 0.0
+
+
+def test_tiled_kernel_is_chosen_by_platform_with_blocks_derived_from_t(monkeypatch):
+    """numerics/kernels.py: `tiled:T` is lax on the CPU and the Pallas kernels on a GPU/TPU, with blocks derived
+    from T, the operand dtype and the product's dims (never the rows); `xla` is XLA everywhere, `pallas:...`
+    the Pallas kernels everywhere; on a mesh `tiled:T` stays lax. What has no implementation is refused with the
+    field, the value, the backend and what is allowed."""
+    from jaxalign.numerics import kernels
+
+    aligned = NumericPolicy.preset("aligned-bf16")
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    pick = lambda policy, platform, dtype=bf16, k=32, n=64: kernels.select_matmul(policy, k, n, dtype, platform)  # noqa: E731,E501
+    assert str(pick(aligned, "cpu")) == "matmul: lax-tiled T=8 (cpu)"
+    assert str(pick(aligned, "gpu")) == "matmul: pallas 16x64x64 from tiled:8 (gpu, Triton)"
+    assert str(pick(aligned, "tpu")) == "matmul: pallas 16x128x128 from tiled:8 (tpu, Mosaic)"
+    assert pick(aligned, "tpu", f32).blocks == (8, 128, 128)  # 8 sublanes for 32-bit operands
+    assert pick(aligned.replace(matmul_kernel="tiled:24"), "gpu").blocks == (32, 64, 64)
+    assert pick(aligned.replace(matmul_kernel="tiled:24"), "tpu", f32).blocks == (24, 128, 128)
+    for platform in ("cpu", "gpu", "tpu"):
+        assert pick(aligned.replace(matmul_kernel="xla"), platform).kind == "xla"
+    forced = pick(PALLAS, "cpu", k=64, n=48)
+    assert (forced.kind, forced.blocks, forced.derived) == ("pallas", BLOCKS, False)
+    grouped = kernels.select_matmul(aligned, 32, 16, bf16, "gpu", kernel="grouped_matmul")
+    assert str(grouped) == "grouped_matmul: pallas 16x64x64 from tiled:8 (gpu, Triton)"
+    with kernels.recording() as found:
+        pick(aligned, "gpu")
+        pick(aligned, "cpu")
+    assert found == {"matmul: pallas 16x64x64 from tiled:8 (gpu, Triton)", "matmul: lax-tiled T=8 (cpu)"}
+    with pytest.raises(ValueError, match=r"matmul_acc = 'BF16_BF16_F32' with matmul_kernel = 'tiled:8' on backend "
+                                         r"'gpu'.*allowed: matmul_acc f32 \(or matmul_kernel=xla\)"):
+        pick(aligned.replace(matmul_acc="BF16_BF16_F32"), "gpu")
+    with pytest.raises(ValueError, match=r"matmul_bwd = 'BF16_BF16_F32'.*'tpu'.*allowed: matmul_bwd same or f32"):
+        pick(aligned.replace(matmul_bwd="BF16_BF16_F32"), "tpu")
+    assert pick(aligned.replace(matmul_acc="BF16_BF16_F32"), "cpu").kind == "lax-tiled"
+
+    attend = kernels.select_attention
+    chunked = aligned.replace(attention="chunked:16")
+    assert attend(aligned, 2, 16, True, "gpu").kind == "lax-full"  # attn=full: lax on every platform
+    assert str(attend(chunked, 2, 16, True, "cpu")) == "attention: lax-chunked (cpu)"
+    assert str(attend(chunked, 2, 16, True, "gpu")) == "attention: pallas BM=16 from tiled:8 (gpu, Triton)"
+    assert attend(chunked, 1, 16, True, "gpu").blocks == (16,)
+    assert attend(chunked.replace(attention="chunked:128"), 2, 8, True, "tpu").blocks == (8,)
+    assert attend(chunked, 2, 16, False, "gpu").kind == "lax-chunked"  # MLA/DSA: no Pallas kernel
+    with pytest.raises(ValueError, match=r"attention = 'chunked:16' with matmul_kernel = 'tiled:8' on backend 'gpu'"
+                                         r".*head_dim', 8\).*allowed on gpu \(Triton\): powers of two >= 16"):
+        attend(chunked, 2, 8, True, "gpu")
+    with pytest.raises(ValueError, match=r"'chunked:16'.*'tpu'.*allowed on tpu: chunk a multiple of 128"):
+        attend(chunked, 2, 16, True, "tpu")
+    with pytest.raises(ValueError, match=r"Pallas attention kernel computes standard causal attention"):
+        attend(PALLAS.replace(attention="chunked:16"), 2, 16, False, "cpu")
+
+    monkeypatch.setattr(kernels, "mesh_active", lambda: True)
+    assert pick(aligned, "gpu").kind == "lax-tiled" and attend(chunked, 2, 16, True, "gpu").kind == "lax-chunked"
+    with pytest.raises(ValueError, match=r"simulate\('metal'\): allowed platforms: cpu, gpu, tpu"):
+        with platforms.simulate("metal"):
+            pass
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("target, forced", [("gpu", "pallas:16x64x64"), ("tpu", "pallas:8x128x128")])
+def test_tiled_kernel_on_a_simulated_accelerator_runs_the_pallas_kernel_it_chose(target, forced):
+    """`tiled:8` on a GPU/TPU, simulated on the CPU (the kernels in interpret mode; Pallas' TPU interpreter for
+    the TPU): the product is the Pallas kernel with the derived blocks -- bitwise the forced `pallas:...` of
+    those blocks --, each row has its bits alone and in every batch, within the float32 bound of float64, and the
+    choice is recorded."""
+    from jaxalign.numerics import kernels
+
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((33, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)  # dims the forced GPU blocks accept unpadded
+    tiled = NumericPolicy.parse("fp32,kernel=tiled:8,reduce=tree")
+    product = lambda x, policy: matmul(x, w, policy, out_dtype="f32")  # noqa: E731
+    with platforms.simulate(target), kernels.recording() as found:
+        @jax.jit
+        def every_case(x):
+            return [product(x[:b], tiled) for b in (1, 7, 16, 33)], product(x, tiled.replace(matmul_kernel=forced))
+        batched, by_forced = every_case(x)
+    assert f"matmul: pallas {forced[len('pallas:'):]} from tiled:8 ({target}, {kernels.LOWERINGS[target]})" in found
+    full = np.asarray(batched[-1])
+    np.testing.assert_array_equal(_bits(by_forced), _bits(full))
+    for rows in batched:
+        np.testing.assert_array_equal(_bits(rows), _bits(full[:rows.shape[0]]), err_msg=f"batch {rows.shape[0]}")
+    _within_f32_bound(full, x, w, f"tiled:8 on {target}")
+
+
+@pytest.mark.bitwise
+def test_aligned_bf16_on_a_simulated_gpu_runs_pallas_and_is_bitwise_between_trainer_and_engine():
+    """aligned-bf16 as a GPU would run it (simulated: Pallas kernels chosen for the GPU, in interpret mode): every
+    matmul and the sorted dispatch's grouped product run the Pallas kernels with blocks derived from tiled:8 (attn
+    is full, so attention stays lax), and trainer and engine agree bitwise."""
+    from jaxalign.numerics import kernels
+
+    model = build_model("tiny")
+    policy = NumericPolicy.preset("aligned-bf16")
+    with platforms.simulate("gpu"), kernels.recording() as found:
+        result = compare(model, policy, policy, n_prompts=3, max_new_tokens=4, engine_batches=(3,), seed=1)
+    assert {"matmul: pallas 16x64x64 from tiled:8 (gpu, Triton)",
+            "grouped_matmul: pallas 16x64x64 from tiled:8 (gpu, Triton)", "attention: lax-full (gpu)"} <= found, found
+    assert not any("lax-tiled" in f for f in found), found
+    for run in result["runs"]:
+        assert run["max_abs_logp_diff"] == 0.0 and run["bitwise_equal_fraction"] == 1.0, run
+        assert run["route_flip_rate"] == 0.0 and run["k3_kl"] == 0.0

@@ -130,6 +130,7 @@ def test_transcendental_accuracy_knob_changes_the_program():
     assert len(attributed) == len(ops(before))
 
 
+@pytest.mark.bitwise
 def test_transcendental_accuracy_reaches_silu_and_the_sigmoids():
     """SwiGLU's silu, the sigmoid router and the shared-expert gate's sigmoid take the accuracy on their exp
     (`lax.logistic` drops an `accuracy=` when lowering in JAX 0.10.2, so `precision.logistic` writes its lowering
