@@ -142,9 +142,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     standard = allowed is None and scale == d ** -0.5 and v.shape[-1] == d
     impl = select_attention(policy, h // kvh, d, standard, platform())
     if impl.kind == "pallas":
-        out = pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy,
-                                       lambda qg, k, v: _chunked(qg, k, v, visible, policy, chunk, scale),
-                                       impl.blocks[0], impl.platform)
+        out = pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy, impl.blocks[0], impl.platform)
     else:
         out = (_full(qg, k, v, visible, policy, scale) if chunk is None
                else _chunked(qg, k, v, visible, policy, chunk, scale))
