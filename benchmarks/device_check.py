@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +48,7 @@ JAX_APIS = ["jax.clear_caches", "jax.custom_vjp", "jax.custom_jvp", "jax.set_mes
 ENVIRONMENT = r"""
 import importlib, json, pkgutil, sys
 out = {"python": sys.version.split()[0]}
+import jaxalign  # first: it sets jaxalign's XLA flags before JAX starts a backend
 import jax, jaxlib
 out.update(jax=jax.__version__, jaxlib=jaxlib.__version__, backend=jax.default_backend(),
            devices=[str(d) for d in jax.devices()], device_kind=jax.devices()[0].device_kind)
@@ -55,7 +57,6 @@ for name in ("flax", "optax", "orbax.checkpoint", "torch", "transformers"):
         out[name] = getattr(importlib.import_module(name), "__version__", "?")
     except Exception as err:
         out[name] = f"not importable: {type(err).__name__}: {err}"
-import jaxalign
 failed = {}
 for mod in pkgutil.walk_packages(jaxalign.__path__, "jaxalign."):
     try:
@@ -117,14 +118,16 @@ def steps(out: str, quick: bool) -> list[tuple[str, list[str], int, dict]]:
 def run_step(name: str, command: list[str], timeout_s: float, env: dict, out: str) -> dict:
     """Run one step; its stdout is the step's JSON for the `check` steps, else its log."""
     start = time.perf_counter()
+    # its own process group, so that a timeout also ends the processes it started (decode.py's sides)
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
-                              timeout=timeout_s)
-        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as err:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
         code = "timeout"
-        stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        stderr = err.stderr.decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
     seconds = time.perf_counter() - start
     if name.startswith("check_") and code != "timeout":
         with open(os.path.join(out, f"{name}.json"), "w") as f:

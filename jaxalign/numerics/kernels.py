@@ -12,7 +12,8 @@ The same holds for the sorted dispatch's grouped product and, with `attn=chunked
 `attn=full` attention is lax everywhere). Under a device mesh `tiled:T` stays lax on every platform (the Pallas
 kernels are not partitioned) and `pallas:...` is refused. Only standard attention has a Pallas kernel: MLA and
 DSA attention (other scale, narrower values, sparse keys) stay lax under `tiled:T` and are refused under
-`pallas:...`.
+`pallas:...`. A platform other than cpu/gpu/tpu keeps the lax paths of `xla` and `tiled:T` and refuses
+`pallas:...` (no Pallas lowering).
 
 Block rule for `tiled:T` on a GPU (Triton): BM = T rounded up to a power of two >= 16, BN = BK = 64, each
 lowered to the product's dimension rounded up to a power of two when that is smaller (never under 16), the

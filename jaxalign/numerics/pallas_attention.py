@@ -1,4 +1,5 @@
-"""Chunked (flash / split-KV) attention as a Pallas kernel: `kernel=pallas:BMxBNxBK` with `attn=chunked:C`.
+"""Chunked (flash / split-KV) attention as a Pallas kernel: `attn=chunked:C` with `kernel=pallas:BMxBNxBK` on
+any backend, or with `kernel=tiled:T` on a GPU/TPU (`numerics.kernels.select_attention` chooses).
 
 One kernel instance per (batch row, kv head, block of BM queries): the BM queries of all G heads sharing the kv
 head are one fixed [BM*G, D] block; the keys are visited in chunks of C slots starting at slot 0, always all of

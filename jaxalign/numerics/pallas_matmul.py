@@ -1,4 +1,5 @@
-"""Batch-invariant matrix products as Pallas kernels (`kernel=pallas:BMxBNxBK`).
+"""Batch-invariant matrix products as Pallas kernels (`kernel=pallas:BMxBNxBK` on any backend, and `kernel=tiled:T`
+on a GPU/TPU with blocks derived from T: `numerics.kernels`).
 
 The semantics are those of `kernel=tiled:T`, held by the kernel itself rather than by XLA's choices: every output
 block [BM, BN] is computed by one kernel instance, whose loop runs over the contraction in chunks of BK, in
