@@ -12,6 +12,8 @@ Three parts, each against a threshold, one pass/fail verdict:
    flip no router decision (`max_route_flips`, default 0): a flipped expert means the trainer's gradient goes
    through experts the engine never used (R3 measured ~10% flips on Qwen3-30B-A3B, and MoE GRPO runs that
    collapsed). Router replay (`replay="r3"`) is how a non-aligned pair passes that part.
+The report also names the implementation each kernel ran with on this backend (`numerics.kernels`: lax tiled
+on the CPU, the Pallas kernels for `tiled:T` on a GPU/TPU), as recorded while the programs were traced.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 
 from jaxalign.align.audit import PROGRAMS, audit, lower_programs
 from jaxalign.model.transformer import Transformer
-from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics import NumericPolicy, kernels as kernel_choice
 from jaxalign.numerics.attention import attention
 from jaxalign.numerics.dtypes import as_compute, cast
 from jaxalign.numerics.matmul import matmul
@@ -159,10 +161,11 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
     n_prompts = n_prompts or max(engine_batches)
     bar = tqdm(total=2 + len(sides) * len(kernels) + len(gap_runs), desc="jaxalign check", disable=not progress)
 
-    audits = {}
+    audits, used = {}, {}
     for side, policy, programs in (("trainer", trainer, TRAINER_PROGRAMS), ("engine", engine, ENGINE_PROGRAMS)):
         bar.set_postfix_str(f"audit {side}")
-        found = audit(lower_programs(model, policy, programs))
+        with kernel_choice.recording() as used[side]:
+            found = audit(lower_programs(model, policy, programs))
         audits[side] = found | {"passed": not found["problems"] and found["products"] > 0}
         bar.update()
 
@@ -171,9 +174,12 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
         claimed = batch_invariant(policy)
         for kernel in kernels:
             bar.set_postfix_str(f"probe {side} {kernel}")
-            result = probe(cfg, policy, kernel, probe_batches)
+            with kernel_choice.recording() as ran:
+                result = probe(cfg, policy, kernel, probe_batches)
             status = ("pass" if result["bitwise_invariant"] else "FAIL") if claimed else "info"
-            probes.append({"policy": side, **result, "claimed": claimed, "status": status})
+            probes.append({"policy": side, **result, "implementation": "; ".join(sorted(ran)) or "lax",
+                           "claimed": claimed, "status": status})
+            used[side] |= ran
             bar.update()
 
     gaps = []
@@ -203,6 +209,7 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
                            f"k3_kl <= {max_k3} and route_flip_rate <= {max_route_flips}",
                            "probes": "bitwise for a batch-invariant policy, else reported only",
                            "audit": "no product with its precision or accumulation left to the backend"},
+            "kernels": {side: sorted(found) for side, found in used.items()},
             "audit": audits, "probes": probes, "gaps": gaps, "passed": passed}
 
 
@@ -239,9 +246,11 @@ def format_report(result: dict) -> str:
     lines.append(report.table(rows, ["side", "products", "left_to_backend", "status", "programs"]))
     for side, a in result["audit"].items():
         lines += [f"  {side}: {p}" for p in a["problems"][:10]]
+    lines += ["", f"kernel implementations on backend {env['backend']} (numerics/kernels.py):"]
+    lines += [f"  {side}: {impl}" for side, found in result["kernels"].items() for impl in found]
     lines += ["", "batch-invariance probes (a row alone vs in batches, at several positions):",
-              report.table(result["probes"], ["policy", "kernel", "cases", "bitwise_invariant", "max_abs_diff",
-                                              "claimed", "status"]),
+              report.table(result["probes"], ["policy", "kernel", "implementation", "cases", "bitwise_invariant",
+                                              "max_abs_diff", "claimed", "status"]),
               "", "trainer vs engine:",
               report.table(result["gaps"], ["run", "kl", "k3_kl", "max_abs_logp_diff", "bitwise_equal_fraction",
                                             "route_flip_rate", "n_tokens", "status"]),

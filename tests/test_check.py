@@ -27,6 +27,12 @@ def test_aligned_pair_passes(capsys):
     assert code == 0, out.out
     assert f"backend {jax.default_backend()}" in out.out and "CPU ISA" in out.out and "claims alignment: True" in out.out
     assert out.out.rstrip().endswith("PASS") and "FAIL" not in out.out
+    # the implementation each kernel ran with is named (numerics/kernels.py): tiled:8 is lax on the CPU, the
+    # Pallas kernels with derived blocks on a GPU/TPU
+    expected = ("lax-tiled T=8 (cpu)" if jax.default_backend() == "cpu" else "pallas ")
+    for kernel in ("matmul", "grouped_matmul"):
+        assert f"trainer: {kernel}: {expected}" in out.out, out.out
+    assert "trainer: attention: lax-full" in out.out
 
 
 def test_pair_with_a_gap_fails_with_documented_json(capsys):
@@ -35,7 +41,13 @@ def test_pair_with_a_gap_fails_with_documented_json(capsys):
     assert code == 1
     result = json.loads(out.out)
     assert set(result) == {"environment", "model", "trainer", "engine", "claims_alignment", "replay", "thresholds",
-                           "audit", "probes", "gaps", "passed"}  # docs/check.md
+                           "kernels", "audit", "probes", "gaps", "passed"}  # docs/check.md
+    # train-bf16 multiplies with XLA's kernel, sorted dispatch; serve-bf16 with chunked attention, dense dispatch
+    backend = "gpu" if jax.default_backend() in ("cuda", "rocm") else jax.default_backend()
+    assert {"matmul: xla", "grouped_matmul: xla", "attention: lax-full"} == \
+        {i.replace(f" ({backend})", "") for i in result["kernels"]["trainer"]}
+    assert "attention: lax-chunked" in {i.replace(f" ({backend})", "") for i in result["kernels"]["engine"]}
+    assert next(p for p in result["probes"] if p["kernel"] == "matmul")["implementation"] == f"matmul: xla ({backend})"
     assert set(result["environment"]) == {"backend", "device_kind", "device_count", "jax", "jaxlib", "cpu_isa",
                                           "xla_flags"}
     assert result["passed"] is False and result["claims_alignment"] is False

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxalign.align.compare import compare
-from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics import NumericPolicy, platforms
 from jaxalign.numerics.matmul import grouped_matmul, matmul
 from jaxalign.numerics.pallas_matmul import check_blocks, pallas_matmul
 
@@ -116,15 +116,10 @@ def test_pallas_grouped_rows_have_the_bits_of_their_expert_alone_and_gradients_a
         _within_f32_bound(np.asarray(dw)[e], x64[mine].T, c64[mine], f"dW[{e}]")
 
 
-def test_tpu_code_path_in_the_tpu_interpreter_gives_the_cpu_interpreter_bits(monkeypatch):
+def test_tpu_code_path_in_the_tpu_interpreter_gives_the_cpu_interpreter_bits():
     """The TPU variant of the kernels (scalar vectors in SMEM, TPU-legal blocks: whole dims under 128) run by
     Pallas' TPU interpreter, which simulates TPU memory spaces on the CPU, gives the bits of the CPU path for the
     grouped product and both its gradients. (Mosaic's lowering itself is not exercised here.)"""
-    from jax.experimental.pallas import tpu as pltpu
-
-    import jaxalign.numerics.pallas_grouped as pallas_grouped
-    import jaxalign.numerics.pallas_matmul as pallas_matmul_module
-
     rng = np.random.default_rng(5)
     sizes = jnp.asarray([5, 0, 11], jnp.int32)
     x = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
@@ -136,9 +131,7 @@ def test_tpu_code_path_in_the_tpu_interpreter_gives_the_cpu_interpreter_bits(mon
         return (y, *vjp(jnp.ones_like(y)))
 
     on_cpu = jax.jit(run)(x, w)
-    for module in (pallas_matmul_module, pallas_grouped):
-        monkeypatch.setattr(module, "backend", lambda: "tpu")
-    with pltpu.force_tpu_interpret_mode():
+    with platforms.simulate("tpu"):
         on_tpu = jax.jit(run)(x, w)
     for name, a, b in zip(("y", "dx", "dw"), on_cpu, on_tpu):
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
@@ -184,8 +177,13 @@ def test_a_block_shape_that_does_not_fit_a_mesh_or_an_unknown_backend_fails_at_t
         jax.eval_shape(lambda x: matmul(x, jnp.ones((64, 48)), NumericPolicy.parse("kernel=pallas:8x16x16")), x)
     monkeypatch.setattr(pallas_matmul_module, "mesh_active", lambda: False)
     monkeypatch.setattr(jax, "default_backend", lambda: "metal")
-    with pytest.raises(ValueError, match=r"backend 'metal' has no Pallas lowering.*allowed backends: cpu"):
+    with pytest.raises(ValueError, match=r"kernel = 'pallas:8x16x16': backend 'metal' has no Pallas lowering.*"
+                                         r"allowed backends: cpu"):
         jax.eval_shape(lambda x: matmul(x, jnp.ones((64, 48)), NumericPolicy.parse("kernel=pallas:8x16x16")), x)
+    # a platform without Pallas keeps the lax paths of xla and tiled:T
+    for kernel in ("xla", "tiled:8"):
+        assert jax.eval_shape(lambda x: matmul(x, jnp.ones((64, 48)), NumericPolicy.parse(f"kernel={kernel}")),
+                              x).shape == (3, 48)
 
 
 def test_pallas_kernel_changes_the_numbers_of_the_tiled_kernel():
@@ -255,18 +253,51 @@ def test_pallas_attention_query_bits_do_not_depend_on_batch_queries_or_cache_len
     assert np.abs(np.asarray(full, np.float64) - ref).max() <= bound
 
 
-def test_pallas_attention_gradient_is_the_lax_chunked_gradient():
-    """The kernel's custom VJP differentiates the lax chunked attention of the same policy: the gradients equal
-    autodiff of that path (kernel=xla) bitwise, for q, k and v."""
+def _attention_grads_f64(q, k, v, q_pos, k_pos, c):
+    """Gradients of sum(c * attention) in float64 (the softmax backward written out): dq, dk, dv in the inputs'
+    layouts ([B, Q, H, D], [B, KVH, D, K], [B, KVH, K, D])."""
+    q, k, v, c = (np.asarray(a, np.float64) for a in (q, k, v, c))
+    group = q.shape[2] // k.shape[1]
+    kh, vh = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [B, H, D, K], [B, H, K, D]
+    scale = q.shape[-1] ** -0.5
+    s = np.einsum("bqhd,bhdk->bhqk", q, kh) * scale
+    s = np.where(np.asarray(k_pos)[:, None, None, :] <= np.asarray(q_pos)[:, None, :, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    do = np.transpose(c, (0, 2, 1, 3))  # [B, H, Q, D]
+    dp = np.einsum("bhqd,bhkd->bhqk", do, vh)
+    ds = p * (dp - np.sum(dp * p, -1, keepdims=True))
+    dq = np.einsum("bhqk,bhdk->bqhd", ds, kh) * scale
+    dk = np.einsum("bhqk,bqhd->bhdk", ds, q) * scale
+    dv = np.einsum("bhqk,bhqd->bhkd", p, do)
+    fold = lambda x: x.reshape(x.shape[0], -1, group, *x.shape[2:]).sum(2)  # noqa: E731  heads -> their kv head
+    return dq, fold(dk), fold(dv)
+
+
+@pytest.mark.bitwise
+def test_pallas_attention_backward_kernels_match_float64_and_keep_query_rows_batch_invariant():
+    """The Pallas backward (numerics/pallas_attention_grad.py, the same fixed key chunks as the forward): float32
+    policy, 40 keys in chunks of 16, two batch rows. dq, dk, dv lie within 32 K u max|g| of the float64 gradient
+    (K keys, u the float32 unit roundoff), and as close to the lax chunked
+    attention's autodiff gradient. A query's dq has the same bits computed alone (its batch row, its queries
+    only) as in the full batch; dk and dv sum over every query, so they are not promised invariant."""
     from jaxalign.numerics.attention import attention
 
     policy = NumericPolicy.parse("fp32,kernel=pallas:8x16x16,attn=chunked:16,reduce=tree")
-    q, k, v, q_pos, k_pos = _attention_inputs(seed=7, b=1, nk=24)
+    q, k, v, q_pos, k_pos = _attention_inputs(seed=7)
     c = jnp.asarray(np.random.default_rng(8).standard_normal(q.shape), jnp.float32)
-    grads = jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(c * attention(q, k, v, q_pos, k_pos, p)),
-                             argnums=(0, 1, 2)), static_argnums=3)
-    for name, a, b in zip("qkv", grads(q, k, v, policy), grads(q, k, v, policy.replace(matmul_kernel="xla"))):
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"d{name}")
+    grads = jax.jit(jax.grad(lambda q, k, v, qp, kp, c, p: jnp.sum(c * attention(q, k, v, qp, kp, p)),
+                             argnums=(0, 1, 2)), static_argnums=6)
+    pallas = grads(q, k, v, q_pos, k_pos, c, policy)
+    lax_path = grads(q, k, v, q_pos, k_pos, c, policy.replace(matmul_kernel="xla"))
+    reference = _attention_grads_f64(q, k, v, q_pos, k_pos, c)
+    n_keys = k.shape[-1]
+    for name, got, via_lax, ref in zip("qkv", pallas, lax_path, reference):
+        tolerance = 32 * n_keys * U32 * np.abs(ref).max()
+        assert np.abs(np.asarray(got, np.float64) - ref).max() <= tolerance, f"d{name} vs float64"
+        assert np.abs(np.asarray(got, np.float64) - np.asarray(via_lax, np.float64)).max() <= tolerance, name
+    alone = grads(q[1:, 3:], k[1:], v[1:], q_pos[1:, 3:], k_pos[1:], c[1:, 3:], policy)
+    np.testing.assert_array_equal(_bits(alone[0]), _bits(np.asarray(pallas[0])[1:, 3:]))
 
 
 def test_aligned_bf16_with_pallas_is_bitwise_between_trainer_and_engine():
@@ -275,6 +306,108 @@ def test_aligned_bf16_with_pallas_is_bitwise_between_trainer_and_engine():
     model = build_model("tiny")
     policy = PALLAS.replace(attention="chunked:16")
     result = compare(model, policy, policy, n_prompts=3, max_new_tokens=4, engine_batches=(3,), seed=1)
+    for run in result["runs"]:
+        assert run["max_abs_logp_diff"] == 0.0 and run["bitwise_equal_fraction"] == 1.0, run
+        assert run["route_flip_rate"] == 0.0 and run["k3_kl"] == 0.0
+
+
+def test_tiled_kernel_is_chosen_by_platform_with_blocks_derived_from_t(monkeypatch):
+    """numerics/kernels.py: `tiled:T` is lax on the CPU and the Pallas kernels on a GPU/TPU, with blocks derived
+    from T, the operand dtype and the product's dims (never the rows); `xla` is XLA everywhere, `pallas:...`
+    the Pallas kernels everywhere; on a mesh `tiled:T` stays lax. What has no implementation is refused with the
+    field, the value, the backend and what is allowed."""
+    from jaxalign.numerics import kernels
+
+    aligned = NumericPolicy.preset("aligned-bf16")
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    pick = lambda policy, platform, dtype=bf16, k=32, n=64: kernels.select_matmul(policy, k, n, dtype, platform)  # noqa: E731,E501
+    assert str(pick(aligned, "cpu")) == "matmul: lax-tiled T=8 (cpu)"
+    assert str(pick(aligned, "gpu")) == "matmul: pallas 16x64x64 from tiled:8 (gpu, Triton)"
+    assert str(pick(aligned, "tpu")) == "matmul: pallas 16x128x128 from tiled:8 (tpu, Mosaic)"
+    assert pick(aligned, "tpu", f32).blocks == (8, 128, 128)  # 8 sublanes for 32-bit operands
+    assert pick(aligned.replace(matmul_kernel="tiled:24"), "gpu").blocks == (32, 64, 64)
+    assert pick(aligned.replace(matmul_kernel="tiled:24"), "tpu", f32).blocks == (24, 128, 128)
+    for platform in ("cpu", "gpu", "tpu"):
+        assert pick(aligned.replace(matmul_kernel="xla"), platform).kind == "xla"
+    forced = pick(PALLAS, "cpu", k=64, n=48)
+    assert (forced.kind, forced.blocks, forced.derived) == ("pallas", BLOCKS, False)
+    grouped = kernels.select_matmul(aligned, 32, 16, bf16, "gpu", kernel="grouped_matmul")
+    assert str(grouped) == "grouped_matmul: pallas 16x64x64 from tiled:8 (gpu, Triton)"
+    with kernels.recording() as found:
+        pick(aligned, "gpu")
+        pick(aligned, "cpu")
+    assert found == {"matmul: pallas 16x64x64 from tiled:8 (gpu, Triton)", "matmul: lax-tiled T=8 (cpu)"}
+    with pytest.raises(ValueError, match=r"matmul_acc = 'BF16_BF16_F32' with matmul_kernel = 'tiled:8' on backend "
+                                         r"'gpu'.*allowed: matmul_acc f32 \(or matmul_kernel=xla\)"):
+        pick(aligned.replace(matmul_acc="BF16_BF16_F32"), "gpu")
+    with pytest.raises(ValueError, match=r"matmul_bwd = 'BF16_BF16_F32'.*'tpu'.*allowed: matmul_bwd same or f32"):
+        pick(aligned.replace(matmul_bwd="BF16_BF16_F32"), "tpu")
+    assert pick(aligned.replace(matmul_acc="BF16_BF16_F32"), "cpu").kind == "lax-tiled"
+
+    attend = kernels.select_attention
+    chunked = aligned.replace(attention="chunked:16")
+    assert attend(aligned, 2, 16, True, "gpu").kind == "lax-full"  # attn=full: lax on every platform
+    assert str(attend(chunked, 2, 16, True, "cpu")) == "attention: lax-chunked (cpu)"
+    assert str(attend(chunked, 2, 16, True, "gpu")) == "attention: pallas BM=16 from tiled:8 (gpu, Triton)"
+    assert attend(chunked, 1, 16, True, "gpu").blocks == (16,)
+    assert attend(chunked.replace(attention="chunked:128"), 2, 8, True, "tpu").blocks == (8,)
+    assert attend(chunked, 2, 16, False, "gpu").kind == "lax-chunked"  # MLA/DSA: no Pallas kernel
+    with pytest.raises(ValueError, match=r"attention = 'chunked:16' with matmul_kernel = 'tiled:8' on backend 'gpu'"
+                                         r".*head_dim', 8\).*allowed on gpu \(Triton\): powers of two >= 16"):
+        attend(chunked, 2, 8, True, "gpu")
+    with pytest.raises(ValueError, match=r"'chunked:16'.*'tpu'.*allowed on tpu: chunk a multiple of 128"):
+        attend(chunked, 2, 16, True, "tpu")
+    with pytest.raises(ValueError, match=r"Pallas attention kernel computes standard causal attention"):
+        attend(PALLAS.replace(attention="chunked:16"), 2, 16, False, "cpu")
+
+    monkeypatch.setattr(kernels, "mesh_active", lambda: True)
+    assert pick(aligned, "gpu").kind == "lax-tiled" and attend(chunked, 2, 16, True, "gpu").kind == "lax-chunked"
+    with pytest.raises(ValueError, match=r"simulate\('metal'\): allowed platforms: cpu, gpu, tpu"):
+        with platforms.simulate("metal"):
+            pass
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("target, forced", [("gpu", "pallas:16x64x64"), ("tpu", "pallas:8x128x128")])
+def test_tiled_kernel_on_a_simulated_accelerator_runs_the_pallas_kernel_it_chose(target, forced):
+    """`tiled:8` on a GPU/TPU, simulated on the CPU (the kernels in interpret mode; Pallas' TPU interpreter for
+    the TPU): the product is the Pallas kernel with the derived blocks -- bitwise the forced `pallas:...` of
+    those blocks --, each row has its bits alone and in every batch, within the float32 bound of float64, and the
+    choice is recorded."""
+    from jaxalign.numerics import kernels
+
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((33, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)  # dims the forced GPU blocks accept unpadded
+    tiled = NumericPolicy.parse("fp32,kernel=tiled:8,reduce=tree")
+    product = lambda x, policy: matmul(x, w, policy, out_dtype="f32")  # noqa: E731
+    with platforms.simulate(target), kernels.recording() as found:
+        @jax.jit
+        def every_case(x):
+            return [product(x[:b], tiled) for b in (1, 7, 16, 33)], product(x, tiled.replace(matmul_kernel=forced))
+        batched, by_forced = every_case(x)
+    assert f"matmul: pallas {forced[len('pallas:'):]} from tiled:8 ({target}, {kernels.LOWERINGS[target]})" in found
+    full = np.asarray(batched[-1])
+    np.testing.assert_array_equal(_bits(by_forced), _bits(full))
+    for rows in batched:
+        np.testing.assert_array_equal(_bits(rows), _bits(full[:rows.shape[0]]), err_msg=f"batch {rows.shape[0]}")
+    _within_f32_bound(full, x, w, f"tiled:8 on {target}")
+
+
+@pytest.mark.bitwise
+def test_aligned_bf16_on_a_simulated_gpu_runs_pallas_and_is_bitwise_between_trainer_and_engine():
+    """aligned-bf16 as a GPU would run it (simulated: Pallas kernels chosen for the GPU, in interpret mode): every
+    matmul and the sorted dispatch's grouped product run the Pallas kernels with blocks derived from tiled:8 (attn
+    is full, so attention stays lax), and trainer and engine agree bitwise."""
+    from jaxalign.numerics import kernels
+
+    model = build_model("tiny")
+    policy = NumericPolicy.preset("aligned-bf16")
+    with platforms.simulate("gpu"), kernels.recording() as found:
+        result = compare(model, policy, policy, n_prompts=3, max_new_tokens=4, engine_batches=(3,), seed=1)
+    assert {"matmul: pallas 16x64x64 from tiled:8 (gpu, Triton)",
+            "grouped_matmul: pallas 16x64x64 from tiled:8 (gpu, Triton)", "attention: lax-full (gpu)"} <= found, found
+    assert not any("lax-tiled" in f for f in found), found
     for run in result["runs"]:
         assert run["max_abs_logp_diff"] == 0.0 and run["bitwise_equal_fraction"] == 1.0, run
         assert run["route_flip_rate"] == 0.0 and run["k3_kl"] == 0.0

@@ -114,19 +114,45 @@ def test_dot_algorithm_presets_state_the_algorithm():
 
 
 def test_transcendental_accuracy_knob_changes_the_program():
-    """`transcendental=highest` asks XLA for the most accurate exp/log in every softmax and log-softmax. XLA:CPU
-    does not act on the request (its exp/log give the same bits; docs/policies.md), so the knob is shown in
-    the program: every exponential and log of the forward carries the accuracy attribute, and none without it."""
+    """`transcendental=highest` asks XLA for the most accurate exp/log in every softmax and log-softmax and in
+    SwiGLU's silu. XLA:CPU does not act on the request (its exp/log give the same bits; docs/policies.md), so
+    the knob is shown in the program: every exponential and log of the forward carries the accuracy attribute,
+    and none without it."""
     base = NumericPolicy.preset("aligned-bf16")
     before = _lowered(base, "forward")
     after = _lowered(base.replace(transcendental_accuracy="highest"), "forward")
-    # SwiGLU's silu (jax.nn.silu, its own function in the module) is not a softmax: the field leaves it alone
-    ops = lambda text: [line for part in text.split("func.func") if not part.lstrip().startswith("private @silu")  # noqa: E731,E501
-                        for line in part.splitlines()
+    ops = lambda text: [line for line in text.splitlines()  # noqa: E731
                         if "stablehlo.exponential " in line or "stablehlo.log " in line]
     assert ops(before) and not any("result_accuracy" in line for line in ops(before))
     # JAX 0.10.2 lowers an op with `accuracy=` as an unused plain op (dead code, removed by XLA) followed by the
     # attributed one, which the program uses
     attributed = [line for line in ops(after) if "result_accuracy_mode<HIGHEST>" in line]
     assert len(attributed) == len(ops(before))
+
+
+@pytest.mark.bitwise
+def test_transcendental_accuracy_reaches_silu_and_the_sigmoids():
+    """SwiGLU's silu, the sigmoid router and the shared-expert gate's sigmoid take the accuracy on their exp
+    (`lax.logistic` drops an `accuracy=` when lowering in JAX 0.10.2, so `precision.logistic` writes its lowering
+    out); with the default accuracy the program is `lax.logistic`'s / `jax.nn.silu`'s, op for op, and the bits
+    and gradients are theirs."""
+    from jaxalign.numerics.experts import router_sigmoid, sigmoid, swiglu
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)) * 6, jnp.bfloat16)
+    default = NumericPolicy.preset("aligned-bf16")
+    highest = default.replace(transcendental_accuracy="highest")
+    functions = {"swiglu": lambda x, p: swiglu(x, x, p), "sigmoid": sigmoid, "router_sigmoid": router_sigmoid}
+    for name, fn in functions.items():
+        text = lambda p: jax.jit(lambda x: fn(x, p)).lower(x).as_text()  # noqa: E731
+        exps = lambda t: [line for line in t.splitlines() if "stablehlo.exponential " in line]  # noqa: E731
+        assert exps(text(default)) and not any("result_accuracy" in line for line in exps(text(default))), name
+        assert any("result_accuracy_mode<HIGHEST>" in line for line in exps(text(highest))), name
+    lax_silu = lambda x: (jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype) * x)  # the previous definition
+    for got, ref in ((jax.jit(lambda x: swiglu(x, x, default))(x), jax.jit(lax_silu)(x)),
+                     (jax.jit(jax.grad(lambda x: jnp.sum(swiglu(x, x, default).astype(jnp.float32))))(x),
+                      jax.jit(jax.grad(lambda x: jnp.sum(lax_silu(x).astype(jnp.float32))))(x)),
+                     (jax.jit(lambda x: router_sigmoid(x, default))(x),
+                      jax.jit(lambda x: jax.nn.sigmoid(x.astype(jnp.float32)))(x))):
+        np.testing.assert_array_equal(np.asarray(got, np.float32).view(np.uint32),
+                                      np.asarray(ref, np.float32).view(np.uint32))
 

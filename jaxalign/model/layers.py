@@ -103,4 +103,4 @@ class DenseMLP(nnx.Module):
         self.down = Linear(hidden, d_model, ("mlp", "embed"), rngs=rngs)
 
     def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
-        return self.down(swiglu(self.gate(x, policy), self.up(x, policy)), policy)
+        return self.down(swiglu(self.gate(x, policy), self.up(x, policy), policy), policy)

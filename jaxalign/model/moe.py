@@ -90,7 +90,7 @@ class MoE(nnx.Module):
         if self.shared is not None:
             shared = self.shared(flat, policy)
             if self.shared_gate is not None:
-                shared = sigmoid(self.shared_gate(flat, policy)) * shared
+                shared = sigmoid(self.shared_gate(flat, policy), policy) * shared
             out = out + shared
         routing = (idx.reshape(b, s, -1), weights.astype(jnp.float32).reshape(b, s, -1), margin.reshape(b, s))
         return out.reshape(b, s, d), routing

@@ -15,7 +15,9 @@ from jaxalign.numerics import precision
 from jaxalign.numerics.collectives import local_reduce
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import as_compute, cast, dtype
+from jaxalign.numerics.kernels import select_attention
 from jaxalign.numerics.pallas_attention import pallas_chunked_attention
+from jaxalign.numerics.platforms import platform
 from jaxalign.numerics.reduce import pad_to_tree_width, reduce_sum, tree_sum
 
 
@@ -137,14 +139,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     visible = visible[:, None, None]  # [B, 1, 1, Q, K]
     chunk = policy.attention_chunk
     scale = d ** -0.5 if scale is None else scale
-    if chunk is not None and policy.pallas_blocks is not None:
-        if allowed is not None or scale != d ** -0.5 or v.shape[-1] != d:
-            raise ValueError(f"NumericPolicy.matmul_kernel = {policy.matmul_kernel!r} with attention = "
-                             f"{policy.attention!r}: the Pallas attention kernel computes standard causal attention "
-                             f"(scale head_dim ** -0.5, values as wide as keys, no sparse key selection); this "
-                             f"model's attention (MLA or DSA) needs kernel=tiled:T or attn=full")
-        out = pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy,
-                                       lambda qg, k, v: _chunked(qg, k, v, visible, policy, chunk, scale))
+    standard = allowed is None and scale == d ** -0.5 and v.shape[-1] == d
+    impl = select_attention(policy, h // kvh, d, standard, platform())
+    if impl.kind == "pallas":
+        out = pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy, impl.blocks[0], impl.platform)
     else:
         out = (_full(qg, k, v, visible, policy, scale) if chunk is None
                else _chunked(qg, k, v, visible, policy, chunk, scale))

@@ -13,21 +13,24 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxalign.numerics import precision
 from jaxalign.numerics.matmul import expert_matmul, gathered_matmul, grouped_matmul
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import cast, dtype
 from jaxalign.numerics.reduce import expand, reduce_sum, tree_broadcast
 
 
-def sigmoid(x: jax.Array) -> jax.Array:
-    """sigmoid computed in float32 and rounded once to x's dtype (as torch's bf16 sigmoid)."""
-    return jax.nn.sigmoid(x.astype(jnp.float32)).astype(x.dtype)
+def sigmoid(x: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """sigmoid computed in float32 and rounded once to x's dtype (as torch's bf16 sigmoid), at the policy's
+    `transcendental_accuracy`."""
+    return precision.logistic(x.astype(jnp.float32), policy).astype(x.dtype)
 
 
 def router_sigmoid(logits: jax.Array, policy: NumericPolicy) -> jax.Array:
     """A sigmoid router's scores: the logits cast to `router_softmax_dtype` and the sigmoid computed in that dtype
-    (transformers' GLM-4.5 / DeepSeek-V3 routers compute it in float32)."""
-    return jax.nn.sigmoid(cast(logits, policy.router_softmax_dtype))
+    (transformers' GLM-4.5 / DeepSeek-V3 routers compute it in float32), at the policy's
+    `transcendental_accuracy`."""
+    return precision.logistic(cast(logits, policy.router_softmax_dtype), policy)
 
 
 def normalize_gate_weights(weights: jax.Array, policy: NumericPolicy, *, renormalize: bool,
@@ -46,16 +49,18 @@ def normalize_gate_weights(weights: jax.Array, policy: NumericPolicy, *, renorma
     return weights
 
 
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up. The activation is computed in float32 and rounded once to gate's dtype (as fused
-    kernels and torch's bf16 silu do), then multiplied by `up` in that dtype."""
-    return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
+def swiglu(gate: jax.Array, up: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """silu(gate) * up. The activation (gate * sigmoid(gate), the sigmoid at the policy's
+    `transcendental_accuracy`) is computed in float32 and rounded once to gate's dtype (as fused kernels and
+    torch's bf16 silu do), then multiplied by `up` in that dtype."""
+    g = gate.astype(jnp.float32)
+    return (g * precision.logistic(g, policy)).astype(gate.dtype) * up
 
 
 def expert_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                policy: NumericPolicy) -> jax.Array:
     """SwiGLU experts on per-expert row blocks: x [E, R, H] -> [E, R, H] (compute dtype)."""
-    hidden = swiglu(expert_matmul(x, w_gate, policy), expert_matmul(x, w_up, policy))
+    hidden = swiglu(expert_matmul(x, w_gate, policy), expert_matmul(x, w_up, policy), policy)
     return expert_matmul(hidden, w_down, policy)
 
 
@@ -76,7 +81,8 @@ def dispatch(x: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up: jax.Array, w
         return y, jnp.ones(idx.shape, bool)
     if policy.dispatch == "gather":
         rows = jnp.broadcast_to(x[:, None], (n, k, x.shape[-1]))
-        hidden = swiglu(gathered_matmul(rows, w_gate[idx], policy), gathered_matmul(rows, w_up[idx], policy))
+        hidden = swiglu(gathered_matmul(rows, w_gate[idx], policy), gathered_matmul(rows, w_up[idx], policy),
+                        policy)
         return gathered_matmul(hidden, w_down[idx], policy), jnp.ones(idx.shape, bool)
     if policy.dispatch == "sorted":
         return _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy), jnp.ones(idx.shape, bool)
@@ -92,7 +98,7 @@ def _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy):
     order = jnp.argsort(flat, stable=True)
     rows = x[order // k]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    hidden = swiglu(grouped_matmul(rows, w_gate, sizes, policy), grouped_matmul(rows, w_up, sizes, policy))
+    hidden = swiglu(grouped_matmul(rows, w_gate, sizes, policy), grouped_matmul(rows, w_up, sizes, policy), policy)
     y_sorted = grouped_matmul(hidden, w_down, sizes, policy)
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
 

@@ -6,6 +6,8 @@ Kernels:
 - `tiled:T`: rows are zero-padded to a multiple of T and multiplied one fixed-shape [T, K] tile at a time
   (`lax.map`), so every row goes through the same compiled kernel with the same shape: batch invariant.
 - `pallas:BMxBNxBK`: the tiled semantics held by Pallas kernels (numerics/pallas_matmul.py, pallas_grouped.py).
+Which implementation runs is chosen per product by `numerics.kernels.select_matmul` from the policy and the
+platform: on a GPU/TPU `tiled:T` runs the Pallas kernels with blocks derived from T.
 
 Accumulation (`matmul_acc`): `f32` asks XLA for float32 output; `bf16`/`f16` round the partial sum every
 ACC_CHUNK products of the contraction (what a low-precision accumulator does, emulated); a
@@ -22,8 +24,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxalign.numerics.collectives import gather_axes, local_reduce, mesh_active, ordered_vjp, with_parameter
+from jaxalign.numerics.kernels import select_matmul
 from jaxalign.numerics.pallas_grouped import pallas_grouped_tiles
-from jaxalign.numerics.pallas_matmul import check_blocks, pallas_matmul
+from jaxalign.numerics.pallas_matmul import pallas_matmul
+from jaxalign.numerics.platforms import platform
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics import precision
 from jaxalign.numerics.dtypes import as_compute, as_param, cast
@@ -50,12 +54,12 @@ def _dot(a: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:
 
 
 def _rows(x2d: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
-    """[M, K] @ [K, N] with the policy's kernel."""
-    if policy.pallas_blocks is not None:
-        check_blocks(policy.pallas_blocks, x2d.shape[1], w.shape[1], x2d.dtype, policy.matmul_kernel)
-        return pallas_matmul(x2d, w, policy.pallas_blocks)
-    tile = policy.tile_rows
-    if tile is None:
+    """[M, K] @ [K, N] with the implementation `kernels.select_matmul` chooses for this platform."""
+    impl = select_matmul(policy, x2d.shape[1], w.shape[1], x2d.dtype, platform())
+    if impl.kind == "pallas":
+        return pallas_matmul(x2d, w, impl.blocks, impl.platform)
+    tile = impl.tile
+    if impl.kind == "xla":
         return _dot(x2d, w, policy)
     m, k = x2d.shape
     pad = (-m) % tile
@@ -122,14 +126,13 @@ def tile_layout(group_sizes: jax.Array, rows: int, tile: int) -> tuple[int, jax.
     return n_tiles, dest, tile_expert
 
 
-def _pallas_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
-    """The Pallas grouped kernel on the same tile layout as `_tiled_grouped` (T = BM)."""
-    blocks = policy.pallas_blocks
-    check_blocks(blocks, x.shape[1], w.shape[2], x.dtype, policy.matmul_kernel)
+def _pallas_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy,
+                    blocks: tuple[int, int, int], target: str) -> jax.Array:
+    """The Pallas grouped kernel on the same tile layout as `_tiled_grouped` (T = BM), lowered for `target`."""
     n_tiles, dest, tile_expert = tile_layout(group_sizes, x.shape[0], blocks[0])
     tiles = _to_tiles(x, dest, n_tiles, blocks[0])
     w = local_reduce(w, policy, (0, 1, 2))
-    return pallas_grouped_tiles(tiles, w, tile_expert, blocks).reshape(-1, w.shape[-1])[dest]
+    return pallas_grouped_tiles(tiles, w, tile_expert, blocks, target).reshape(-1, w.shape[-1])[dest]
 
 
 def _to_tiles(rows: jax.Array, dest: jax.Array, n_tiles: int, tile: int) -> jax.Array:
@@ -174,12 +177,14 @@ _expert_tiles.defvjp(_expert_tiles_fwd, _expert_tiles_bwd)
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
     """Rows sorted by expert: x [R, K], w [E, K, N], group_sizes [E] -> [R, N] (`lax.ragged_dot` under the xla
-    kernel, per-expert [T, K] tiles under `tiled:T` and `pallas:...`)."""
+    kernel, per-expert [T, K] tiles under `tiled:T` and `pallas:...`; `kernels.select_matmul` chooses the
+    implementation for this platform)."""
     x = cast(local_reduce(x, policy, (1,)), policy.compute_dtype)
     w = cast(local_reduce(w, policy, (1,)), policy.compute_dtype)
-    if policy.pallas_blocks is not None:
-        y = _pallas_grouped(x, w, group_sizes, policy)
-    elif policy.tile_rows is not None:
+    impl = select_matmul(policy, x.shape[1], w.shape[2], x.dtype, platform(), kernel="grouped_matmul")
+    if impl.kind == "pallas":
+        y = _pallas_grouped(x, w, group_sizes, policy, impl.blocks, impl.platform)
+    elif impl.kind == "lax-tiled":
         y = _tiled_grouped(x, w, group_sizes, policy)
     elif not policy.low_precision_accumulation:
         y = precision.ragged_dot(x, w, group_sizes, policy)

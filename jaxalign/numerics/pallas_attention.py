@@ -1,4 +1,5 @@
-"""Chunked (flash / split-KV) attention as a Pallas kernel: `kernel=pallas:BMxBNxBK` with `attn=chunked:C`.
+"""Chunked (flash / split-KV) attention as a Pallas kernel: `attn=chunked:C` with `kernel=pallas:BMxBNxBK` on
+any backend, or with `kernel=tiled:T` on a GPU/TPU (`numerics.kernels.select_attention` chooses).
 
 One kernel instance per (batch row, kv head, block of BM queries): the BM queries of all G heads sharing the kv
 head are one fixed [BM*G, D] block; the keys are visited in chunks of C slots starting at slot 0, always all of
@@ -8,8 +9,8 @@ value product, float32 accumulation). Every product has a fixed shape ([BM*G, D]
 [C, D]) whatever the number of queries, the batch or the cache length, and a chunk the query cannot see adds
 exact zeros, so a query's bits are the same in a trainer sequence of S keys and an engine cache of M slots.
 
-Gradient: the custom VJP differentiates the lax chunked attention of the same policy (recomputed); it is not a
-Pallas kernel.
+Gradient: Pallas kernels too (`numerics.pallas_attention_grad`): the forward also writes each row's softmax
+statistics, and the backward recomputes the weights chunk by chunk over the same fixed key chunks.
 """
 
 from __future__ import annotations
@@ -21,20 +22,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxalign.numerics import platforms
 from jaxalign.numerics.dtypes import cast, dtype
 from jaxalign.numerics.pallas_matmul import _precision, _round_up, backend, refuse_mesh
 
 _NEVER = jnp.iinfo(jnp.int32).max  # position of padded keys (seen by no real query) and padded queries
 
 
-def check_attention_blocks(blocks: tuple[int, int, int], chunk: int, groups: int, head_dim: int, kernel: str,
+def check_attention_blocks(bm: int, chunk: int, groups: int, head_dim: int, kernel: str,
                            platform: str | None = None) -> None:
-    """Raise a ValueError unless the attention kernel's blocks are legal on `platform`: GPU (Triton) needs the
-    chunk, BM*G and the head dim powers of two >= 16; TPU (Mosaic) the chunk a multiple of 128 and BM*G a
-    multiple of 8."""
+    """Raise a ValueError unless the attention kernel's query block `bm` and chunk are legal on `platform`: GPU
+    (Triton) needs the chunk, BM*G and the head dim powers of two >= 16; TPU (Mosaic) the chunk a multiple of 128
+    and BM*G a multiple of 8."""
     refuse_mesh(kernel)
     platform = platform or backend()
-    rows = blocks[0] * groups
+    rows = bm * groups
     where = (f"NumericPolicy.attention = 'chunked:{chunk}' with matmul_kernel = {kernel!r} on backend "
              f"{platform!r} (query block BM*G = {rows}, head dim {head_dim})")
     if platform == "gpu":
@@ -45,21 +47,34 @@ def check_attention_blocks(blocks: tuple[int, int, int], chunk: int, groups: int
         raise ValueError(f"{where}: allowed on tpu: chunk a multiple of 128 and BM*G a multiple of 8")
 
 
-def _kernel(qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, *, chunk, n_chunks, scale, scores_dt, softmax_dt,
-            compute_dt, exact_casts):
-    def rnd(x, name):  # interpret mode: `cast` (a rounding XLA:CPU's fusions keep); compiled: a plain convert
+def rounder(exact_casts: bool):
+    """`rnd(x, name)`: x rounded to the dtype `name` -- in interpret mode by `cast` (a rounding XLA:CPU's fusions
+    keep), compiled by a plain convert."""
+    def rnd(x, name):
         return cast(x, name) if exact_casts else x.astype(dtype(name))
+    return rnd
 
+
+def chunk_scores(q, k_chunk, q_pos, k_pos_chunk, *, scale, scores_dt, softmax_dt, rnd):
+    """Scores of a query block against one key chunk as the lax chunked path rounds them: q.k (float32
+    accumulation) rounded to `scores_dt`, times the scale, rounded again, in `softmax_dt`; -inf where the key's
+    position is past the query's."""
+    s = jnp.dot(q, k_chunk.astype(q.dtype), preferred_element_type=jnp.float32, precision=_precision(q.dtype))
+    s = rnd(rnd(rnd(s, scores_dt).astype(jnp.float32) * scale, scores_dt), softmax_dt)
+    return jnp.where(k_pos_chunk <= q_pos, s, jnp.asarray(-jnp.inf, s.dtype))
+
+
+def _kernel(qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, chunk, n_chunks, scale, scores_dt,
+            softmax_dt, compute_dt, exact_casts):
+    rnd = rounder(exact_casts)
     q = q_ref[...]
     q_pos = qpos_ref[...]  # [R, 1]
 
     def step(c, carry):
         m, l, acc = carry
         keys = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        s = jnp.dot(q, k_ref[:, keys].astype(q.dtype), preferred_element_type=jnp.float32,
-                    precision=_precision(q.dtype))
-        s = rnd(rnd(rnd(s, scores_dt).astype(jnp.float32) * scale, scores_dt), softmax_dt)
-        s = jnp.where(kpos_ref[:, keys] <= q_pos, s, jnp.asarray(-jnp.inf, s.dtype))
+        s = chunk_scores(q, k_ref[:, keys], q_pos, kpos_ref[:, keys], scale=scale, scores_dt=scores_dt,
+                         softmax_dt=softmax_dt, rnd=rnd)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
         safe_m = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
         corr = jnp.exp(m - safe_m)
@@ -72,22 +87,21 @@ def _kernel(qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, *, chunk, n_chunks, 
     sdt = dtype(softmax_dt)
     rows = q.shape[0]
     init = (jnp.full((rows, 1), -jnp.inf, sdt), jnp.zeros((rows, 1), sdt), jnp.zeros(o_ref.shape, jnp.float32))
-    _, l, acc = lax.fori_loop(0, n_chunks, step, init)
+    m, l, acc = lax.fori_loop(0, n_chunks, step, init)
     o_ref[...] = acc / l.astype(jnp.float32)
+    m_ref[...] = m.astype(jnp.float32)  # the softmax statistics the Pallas backward recomputes weights from
+    l_ref[...] = l.astype(jnp.float32)
 
 
-def _pallas_forward(qg, k, v, q_pos, k_pos, policy):
-    """qg [B, Q, KVH, G, D], k [B, KVH, D, K], v [B, KVH, K, D], q_pos [B, Q], k_pos [B, K] ->
-    float32 [B, Q, KVH, G, D]."""
-    platform = backend()
-    bm = policy.pallas_blocks[0]
-    chunk = policy.attention_chunk
+def _layout(qg, k, v, q_pos, k_pos, bm, chunk, platform):
+    """The kernels' layout: q [B, KVH, Qp*G, D] (queries padded to whole blocks of bm), keys [B, KVH, D, Kp] and
+    values [B, KVH, Kp, D] padded to whole chunks (a power of two on a GPU), each query row's position
+    [B, Qp*G, 1] and each key's [B, 1, Kp] (padding: a position no real query reaches)."""
     b, nq, kvh, g, d = qg.shape
     nk = k.shape[-1]
     qp, kp = _round_up(nq, bm), _round_up(nk, chunk)
     if platform == "gpu":
         kp = pl.next_power_of_2(kp)
-    rows = bm * g
     q = jnp.pad(jnp.transpose(qg, (0, 2, 1, 3, 4)), ((0, 0), (0, 0), (0, qp - nq), (0, 0), (0, 0)))
     q = q.reshape(b, kvh, qp * g, d)
     q_rows = jnp.repeat(jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, qp - nq)), constant_values=_NEVER), g,
@@ -95,37 +109,66 @@ def _pallas_forward(qg, k, v, q_pos, k_pos, policy):
     k_pos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, kp - nk)), constant_values=_NEVER)[:, None, :]
     k = jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, kp - nk)))
     v = jnp.pad(v, ((0, 0), (0, 0), (0, kp - nk), (0, 0)))
+    return q, k, v, q_rows, k_pos
+
+
+def _settings(policy, d, bm, groups, platform) -> dict:
+    return dict(chunk=policy.attention_chunk, scale=float(d ** -0.5), scores_dt=policy.attn_scores_dtype,
+                softmax_dt=policy.attn_softmax_dtype, compute_dt=policy.compute_dtype, rows=bm * groups,
+                platform=platform)
+
+
+def _forward_call(q, k, v, q_rows, k_pos, cfg):
+    """Laid-out inputs -> (o [B, KVH, Qp*G, D], m, l [B, KVH, Qp*G, 1]), all float32."""
+    b, kvh, n_rows, d = q.shape
+    kp, rows, platform = k.shape[-1], cfg["rows"], cfg["platform"]
     kernel = functools.partial(
-        _kernel, chunk=chunk, n_chunks=kp // chunk, scale=float(d ** -0.5), scores_dt=policy.attn_scores_dtype,
-        softmax_dt=policy.attn_softmax_dtype, compute_dt=policy.compute_dtype, exact_casts=platform == "cpu")
-    out = pl.pallas_call(
+        _kernel, chunk=cfg["chunk"], n_chunks=kp // cfg["chunk"], scale=cfg["scale"], scores_dt=cfg["scores_dt"],
+        softmax_dt=cfg["softmax_dt"], compute_dt=cfg["compute_dt"], exact_casts=platform == "cpu")
+    row_block = lambda width: pl.BlockSpec((None, None, rows, width), lambda i, h, j: (i, h, j, 0))  # noqa: E731
+    return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((b, kvh, qp * g, d), jnp.float32),
-        grid=(b, kvh, qp // bm),
+        out_shape=(jax.ShapeDtypeStruct((b, kvh, n_rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, kvh, n_rows, 1), jnp.float32),
+                   jax.ShapeDtypeStruct((b, kvh, n_rows, 1), jnp.float32)),
+        grid=(b, kvh, n_rows // rows),
         in_specs=[pl.BlockSpec((None, rows, 1), lambda i, h, j: (i, j, 0)),
                   pl.BlockSpec((None, 1, kp), lambda i, h, j: (i, 0, 0)),
-                  pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i, h, j, 0)),
+                  row_block(d),
                   pl.BlockSpec((None, None, d, kp), lambda i, h, j: (i, h, 0, 0)),
                   pl.BlockSpec((None, None, kp, d), lambda i, h, j: (i, h, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i, h, j, 0)),
-        interpret=platform == "cpu",
+        out_specs=(row_block(d), row_block(1), row_block(1)),
+        interpret=platforms.interpret_mode(platform),
         name="jaxalign_chunked_attention",
     )(q_rows, k_pos, q, k, v)
-    return jnp.transpose(out.reshape(b, kvh, qp, g, d)[:, :, :nq], (0, 2, 1, 3, 4))
 
 
-def pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy, lax_chunked):
-    """Chunked attention by the Pallas kernel (see the module docstring); `lax_chunked(qg, k, v)` is the lax
-    implementation of the same policy, whose VJP serves as the gradient."""
-    check_attention_blocks(policy.pallas_blocks, policy.attention_chunk, qg.shape[3], qg.shape[4],
-                           policy.matmul_kernel)
+def pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy, bm: int, platform: str):
+    """Chunked attention by the Pallas kernels (see the module docstring): qg [B, Q, KVH, G, D], k [B, KVH, D, K],
+    v [B, KVH, K, D], q_pos [B, Q], k_pos [B, K] -> float32 [B, Q, KVH, G, D], queries in blocks of `bm`, lowered
+    for `platform` (`numerics.kernels.select_attention` chooses both). Its gradient is the Pallas backward of
+    `numerics.pallas_attention_grad`, over the same fixed key chunks."""
+    from jaxalign.numerics.pallas_attention_grad import attention_backward
+
+    b, nq, kvh, g, d = qg.shape
+    check_attention_blocks(bm, policy.attention_chunk, g, d, policy.matmul_kernel, platform)
+    cfg = _settings(policy, d, bm, g, platform)
 
     @jax.custom_vjp
-    def run(qg, k, v, q_pos, k_pos):
-        return _pallas_forward(qg, k, v, q_pos, k_pos, policy)
+    def attend(q, k, v, q_rows, k_pos):
+        return _forward_call(q, k, v, q_rows, k_pos, cfg)[0]
 
-    def bwd(residuals, g):
-        return (*jax.vjp(lax_chunked, *residuals)[1](g), None, None)
+    def fwd(q, k, v, q_rows, k_pos):
+        o, m, l = _forward_call(q, k, v, q_rows, k_pos, cfg)
+        return o, (q, k, v, q_rows, k_pos, o, m, l)
 
-    run.defvjp(lambda qg, k, v, q_pos, k_pos: (run(qg, k, v, q_pos, k_pos), (qg, k, v)), bwd)
-    return run(qg, k, v, q_pos, k_pos)
+    def bwd(residuals, g_out):
+        q, k, v, *_ = residuals
+        dq, dk, dv = attention_backward(*residuals, g_out, cfg)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+    attend.defvjp(fwd, bwd)
+    laid_out = _layout(qg, k, v, q_pos, k_pos, bm, policy.attention_chunk, platform)
+    out = attend(*laid_out)
+    qp = laid_out[0].shape[2] // g
+    return jnp.transpose(out.reshape(b, kvh, qp, g, d)[:, :, :nq], (0, 2, 1, 3, 4))

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxalign.numerics import platforms
 from jaxalign.numerics.pallas_matmul import _block, _precision, _round_up, backend
 
 def _whole():
@@ -46,14 +47,14 @@ def _grouped_kernel(te_ref, x_ref, w_ref, o_ref, *, bk: int, bn: int, n_k: int, 
     o_ref[...] = lax.fori_loop(0, n_k, chunk, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-def _grouped(tiles: jax.Array, w: jax.Array, tile_expert: jax.Array, blocks: tuple[int, int, int]) -> jax.Array:
+def _grouped(tiles: jax.Array, w: jax.Array, tile_expert: jax.Array, blocks: tuple[int, int, int],
+             platform: str) -> jax.Array:
     """tiles [n_tiles, BM, K] @ w[tile_expert] [., K, N] -> float32 [n_tiles, BM, N]."""
-    platform = backend()
     bm, bn_req, bk_req = blocks
     n_tiles, tile, k = tiles.shape
     assert tile == bm, (tile, bm)
     n = w.shape[-1]
-    bn, bk = _block(bn_req, n), _block(bk_req, k)
+    bn, bk = _block(bn_req, n, platform), _block(bk_req, k, platform)
     np_, kp = _round_up(n, bn), _round_up(k, bk)
     if platform == "gpu":
         kp = pl.next_power_of_2(kp)
@@ -65,7 +66,7 @@ def _grouped(tiles: jax.Array, w: jax.Array, tile_expert: jax.Array, blocks: tup
         grid=(n_tiles, np_ // bn),
         in_specs=[_scalars(platform), pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), _whole()],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        interpret=platform == "cpu",
+        interpret=platforms.interpret_mode(platform),
         name="jaxalign_grouped_matmul",
     )(tile_expert.astype(jnp.int32), x, w)
     return out.reshape(n_tiles, bm, np_)[..., :n]
@@ -84,12 +85,11 @@ def _weight_grad_kernel(first_ref, end_ref, x_ref, g_ref, o_ref, *, bm: int, bn:
 
 
 def _weight_grad(tiles: jax.Array, g_tiles: jax.Array, tile_expert: jax.Array, n_experts: int,
-                 blocks: tuple[int, int, int]) -> jax.Array:
+                 blocks: tuple[int, int, int], platform: str) -> jax.Array:
     """dW [E, K, N] float32 from tiles [n_tiles, BM, K] and cotangent tiles [n_tiles, BM, N]."""
-    platform = backend()
     bm, bn_req, _ = blocks
     k, n = tiles.shape[-1], g_tiles.shape[-1]
-    bk_rows, bn = _block(bm, k), _block(bn_req, n)
+    bk_rows, bn = _block(bm, k, platform), _block(bn_req, n, platform)
     kp, np_ = _round_up(k, bk_rows), _round_up(n, bn)
     x = jnp.pad(tiles, ((0, 0), (0, 0), (0, kp - k)))
     g = jnp.pad(g_tiles.astype(tiles.dtype), ((0, 0), (0, 0), (0, np_ - n)))
@@ -102,30 +102,32 @@ def _weight_grad(tiles: jax.Array, g_tiles: jax.Array, tile_expert: jax.Array, n
         grid=(n_experts, kp // bk_rows, np_ // bn),
         in_specs=[_scalars(platform), _scalars(platform), _whole(), _whole()],
         out_specs=pl.BlockSpec((None, bk_rows, bn), lambda e, i, j: (e, i, j)),
-        interpret=platform == "cpu",
+        interpret=platforms.interpret_mode(platform),
         name="jaxalign_grouped_weight_grad",
     )(first, end, x, g)
     return out[:, :k, :n]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def pallas_grouped_tiles(tiles: jax.Array, w: jax.Array, tile_expert: jax.Array,
-                         blocks: tuple[int, int, int]) -> jax.Array:
+                         blocks: tuple[int, int, int], platform: str | None = None) -> jax.Array:
     """Per-tile expert products: tiles [n_tiles, BM, K], w [E, K, N], tile_expert [n_tiles] (non-decreasing:
     tiles sorted by expert) -> float32 [n_tiles, BM, N]. Gradients by the same kernels: dtiles = g @ w[e]^T
-    (this kernel on the transposed weights), dW[e] summed over e's tiles in tile order."""
-    return _grouped(tiles, w, tile_expert, blocks)
+    (this kernel on the transposed weights), dW[e] summed over e's tiles in tile order. Lowered for `platform`
+    (default: `backend()`; pass it positionally)."""
+    return _grouped(tiles, w, tile_expert, blocks, platform or backend())
 
 
-def _fwd(tiles, w, tile_expert, blocks):
-    return _grouped(tiles, w, tile_expert, blocks), (tiles, w, tile_expert)
+def _fwd(tiles, w, tile_expert, blocks, platform):
+    return _grouped(tiles, w, tile_expert, blocks, platform or backend()), (tiles, w, tile_expert)
 
 
-def _bwd(blocks, residuals, g):
+def _bwd(blocks, platform, residuals, g):
     tiles, w, tile_expert = residuals
     g = g.astype(tiles.dtype)
-    d_tiles = _grouped(g, jnp.swapaxes(w, 1, 2), tile_expert, blocks).astype(tiles.dtype)
-    d_w = _weight_grad(tiles, g, tile_expert, w.shape[0], blocks).astype(w.dtype)
+    platform = platform or backend()
+    d_tiles = _grouped(g, jnp.swapaxes(w, 1, 2), tile_expert, blocks, platform).astype(tiles.dtype)
+    d_w = _weight_grad(tiles, g, tile_expert, w.shape[0], blocks, platform).astype(w.dtype)
     return d_tiles, d_w, None
 
 

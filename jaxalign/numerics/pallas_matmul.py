@@ -1,4 +1,5 @@
-"""Batch-invariant matrix products as Pallas kernels (`kernel=pallas:BMxBNxBK`).
+"""Batch-invariant matrix products as Pallas kernels (`kernel=pallas:BMxBNxBK` on any backend, and `kernel=tiled:T`
+on a GPU/TPU with blocks derived from T: `numerics.kernels`).
 
 The semantics are those of `kernel=tiled:T`, held by the kernel itself rather than by XLA's choices: every output
 block [BM, BN] is computed by one kernel instance, whose loop runs over the contraction in chunks of BK, in
@@ -20,20 +21,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxalign.numerics import platforms
 from jaxalign.numerics.collectives import mesh_active
 
 BACKENDS = ("cpu (interpret mode)", "gpu (Triton)", "tpu (Mosaic)")
 
 
 def backend() -> str:
-    """The platform the kernels are lowered for: 'cpu', 'gpu' or 'tpu' (jax.default_backend(); 'cuda'/'rocm' map
-    to 'gpu'). Any other platform is refused with the list of supported ones."""
-    name = jax.default_backend()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    if name not in ("cpu", "gpu", "tpu"):
-        raise ValueError(f"NumericPolicy.matmul_kernel = pallas:...: backend {name!r} has no Pallas lowering here; "
-                         f"allowed backends: {', '.join(BACKENDS)}")
-    return name
+    """The platform the kernels are lowered for: 'cpu', 'gpu' or 'tpu' (`platforms.platform()`: JAX's default
+    backend, or the one `platforms.simulate` names)."""
+    return platforms.platform()
 
 
 def refuse_mesh(kernel: str) -> None:
@@ -49,8 +46,12 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _block(requested: int, dim: int) -> int:
-    """The block used along a dimension of size `dim`: the requested one, or the whole dimension if smaller."""
+def _block(requested: int, dim: int, target: str = "cpu") -> int:
+    """The block used along a dimension of size `dim`: the requested one, or the whole dimension if smaller; on
+    a GPU rounded to a power of two >= 16 (Triton's block rule; the dimension is zero-padded to it, which adds
+    exact zeros)."""
+    if target == "gpu":
+        return max(16, min(requested, pl.next_power_of_2(dim)))
     return min(requested, dim)
 
 
@@ -103,13 +104,13 @@ def _matmul_kernel(a_ref, b_ref, o_ref, *, bk: int, n_k: int, precision):
     o_ref[...] = lax.fori_loop(0, n_k, chunk, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-def blocked_matmul(a: jax.Array, b: jax.Array, blocks: tuple[int, int, int]) -> jax.Array:
-    """a [M, K] @ b [K, N] -> float32 [M, N] by the Pallas kernel, any sizes: rows padded to BM, the contraction
-    to BK and the columns to BN with zeros (exact: a zero chunk adds zeros to the accumulator)."""
-    platform = backend()
+def blocked_matmul(a: jax.Array, b: jax.Array, blocks: tuple[int, int, int], platform: str) -> jax.Array:
+    """a [M, K] @ b [K, N] -> float32 [M, N] by the Pallas kernel lowered for `platform`, any sizes: rows padded
+    to BM, the contraction to BK and the columns to BN with zeros (exact: a zero chunk adds zeros to the
+    accumulator)."""
     bm, bn_req, bk_req = blocks
     (m, k), n = a.shape, b.shape[1]
-    bn, bk = _block(bn_req, n), _block(bk_req, k)
+    bn, bk = _block(bn_req, n, platform), _block(bk_req, k, platform)
     mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
     if platform == "gpu":  # Triton blocks are powers of two: the whole-K blocks too
         kp = pl.next_power_of_2(kp)
@@ -121,30 +122,33 @@ def blocked_matmul(a: jax.Array, b: jax.Array, blocks: tuple[int, int, int]) -> 
         grid=(mp // bm, np_ // bn),
         in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), pl.BlockSpec((kp, bn), lambda i, j: (0, j))],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        interpret=platform == "cpu",
+        interpret=platforms.interpret_mode(platform),
         name="jaxalign_blocked_matmul",
     )(a, b)
     return out[:m, :n]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def pallas_matmul(a: jax.Array, b: jax.Array, blocks: tuple[int, int, int]) -> jax.Array:
-    """a [M, K] @ b [K, N] -> float32 [M, N], batch invariant (see the module docstring).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def pallas_matmul(a: jax.Array, b: jax.Array, blocks: tuple[int, int, int], platform: str | None = None) -> jax.Array:
+    """a [M, K] @ b [K, N] -> float32 [M, N], batch invariant (see the module docstring), lowered for `platform`
+    (default: `backend()`; pass it positionally).
 
     Its gradient uses the same kernel: da = g @ b^T (row-wise, so batch invariant too) and db = a^T @ g (the
     rows summed in fixed BK chunks, in row order). The cotangent is rounded to the operand dtype first, as the
     tiled kernel's backward does."""
-    return blocked_matmul(a, b, blocks)
+    return blocked_matmul(a, b, blocks, platform or backend())
 
 
-def _pallas_matmul_fwd(a, b, blocks):
-    return blocked_matmul(a, b, blocks), (a, b)
+def _pallas_matmul_fwd(a, b, blocks, platform):
+    return blocked_matmul(a, b, blocks, platform or backend()), (a, b)
 
 
-def _pallas_matmul_bwd(blocks, residuals, g):
+def _pallas_matmul_bwd(blocks, platform, residuals, g):
     a, b = residuals
     g = g.astype(a.dtype)
-    return blocked_matmul(g, b.T, blocks).astype(a.dtype), blocked_matmul(a.T, g, blocks).astype(b.dtype)
+    platform = platform or backend()
+    return (blocked_matmul(g, b.T, blocks, platform).astype(a.dtype),
+            blocked_matmul(a.T, g, blocks, platform).astype(b.dtype))
 
 
 pallas_matmul.defvjp(_pallas_matmul_fwd, _pallas_matmul_bwd)

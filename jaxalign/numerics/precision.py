@@ -53,7 +53,8 @@ def dot_precision(policy: NumericPolicy, *, backward: bool = False) -> Precision
 
 
 def accuracy(policy: NumericPolicy) -> lax.AccuracyMode | None:
-    """The `accuracy=` the policy asks of exp and log in softmaxes and log-softmax (None: the backend's)."""
+    """The `accuracy=` the policy asks of exp and log in softmaxes and log-softmax, and of the sigmoid in SiLU,
+    sigmoid routers and gates (None: the backend's)."""
     return _ACCURACY[policy.transcendental_accuracy]
 
 
@@ -65,6 +66,28 @@ def exp(x: jax.Array, policy: NumericPolicy) -> jax.Array:
 def log(x: jax.Array, policy: NumericPolicy) -> jax.Array:
     """log with the policy's requested accuracy."""
     return lax.log(x, accuracy=accuracy(policy))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _logistic(x: jax.Array, accuracy: lax.AccuracyMode | None) -> jax.Array:
+    # lax.logistic's own lowering (JAX 0.10.2 `logistic_impl`), with the accuracy passed on to its exp
+    one = jnp.asarray(1, x.dtype)
+    return lax.div(one, lax.add(one, lax.exp(lax.neg(x), accuracy=accuracy)))
+
+
+@_logistic.defjvp
+def _logistic_jvp(accuracy, primals, tangents):
+    (x,), (g,) = primals, tangents
+    ans = _logistic(x, accuracy)
+    return ans, lax.mul(g, lax.mul(ans, lax.sub(jnp.asarray(1, ans.dtype), ans)))  # lax.logistic's JVP rule
+
+
+def logistic(x: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """sigmoid 1 / (1 + exp(-x)) with the policy's requested accuracy on the exp. `lax.logistic` accepts an
+    `accuracy=` in JAX 0.10.2 but drops it when lowering (`logistic_impl`: `del accuracy`), so this is its
+    lowering and its JVP (ans * (1 - ans)) written out: with the default accuracy the program is lax.logistic's,
+    op for op."""
+    return _logistic(x, accuracy(policy))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
