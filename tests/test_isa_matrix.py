@@ -31,7 +31,7 @@ def test_bitwise_claims_hold_under_isa(isa):
     env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if not f.startswith(ISA_FLAG + "=")
                                 or f == f"{ISA_FLAG}={isa}")
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "bitwise", "-p", "no:cacheprovider",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "bitwise", "-p", "no:cacheprovider",
                            "--durations=5", os.path.join(ROOT, "tests")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=1800)
     print(f"ISA leg {isa}: {time.perf_counter() - start:.0f} s\n{proc.stdout[-3000:]}")
