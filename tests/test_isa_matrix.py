@@ -7,7 +7,10 @@ The native leg is the ordinary run of the same tests. `python -m pytest -q` (the
 
 Inside a leg the multidevice suite (tests/test_meshes.py) runs only its `bitwise` cases, a representative mesh
 per claim, and the two-process test does not run: its numerics are the single-process mesh RL run's (marked),
-and what it adds (gloo, checkpoints) does not depend on the ISA."""
+and what it adds (gloo, checkpoints) does not depend on the ISA.
+
+Each leg is one pytest process of its own (`-n 0`: no workers of its own), and one unit of the suite's two
+xdist workers, scheduled first (tests/conftest.py, LONGEST_FIRST)."""
 
 import os
 import subprocess
