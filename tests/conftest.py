@@ -20,6 +20,32 @@ FAMILY_PRESETS = ("tiny", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "t
                   "tiny-deepseek-v3", "tiny-glm5")
 
 
+# The suite runs on two workers (`-n 2 --dist loadgroup --no-loadscope-reorder` in pyproject's addopts). A worker
+# takes whole files (so a file's fixtures and compiled programs are built once), except the tests below: each is
+# one long run in processes of its own, a unit by itself, and they go first, longest first, so the two workers
+# start on them and the files fill in around them. A new test that runs for minutes belongs in this list.
+LONGEST_FIRST = (
+    "tests/test_isa_matrix.py::test_bitwise_claims_hold_under_isa[AVX2]",
+    "tests/test_isa_matrix.py::test_bitwise_claims_hold_under_isa[SSE4_2]",
+    "tests/test_meshes.py::test_multidevice_suite_on_eight_fake_devices",
+    "tests/test_multiprocess.py::test_two_processes_train_checkpoint_and_resume_like_one_device",
+    "tests/test_notebooks.py::test_notebook_executes[01_where_mismatch_arises.ipynb]",
+    "tests/test_cli.py::test_demo_quick_runs",
+    "tests/test_rl_trainer.py::test_sigkill_after_a_checkpoint_then_rerun_gives_the_uninterrupted_metrics_bitwise",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    """Group the tests for pytest-xdist (LONGEST_FIRST: one unit each, first; the rest by file) and order them."""
+    def rank(item):
+        return LONGEST_FIRST.index(item.nodeid) if item.nodeid in LONGEST_FIRST else len(LONGEST_FIRST)
+    for item in items:
+        long = rank(item) < len(LONGEST_FIRST)
+        item.add_marker(pytest.mark.xdist_group(item.nodeid if long else item.nodeid.split("::", 1)[0]))
+    items.sort(key=rank)  # stable: files keep their order
+
+
 def _memory_map_count() -> int | None:
     try:
         with open("/proc/self/maps") as maps:

@@ -7,7 +7,10 @@ The native leg is the ordinary run of the same tests. `python -m pytest -q` (the
 
 Inside a leg the multidevice suite (tests/test_meshes.py) runs only its `bitwise` cases, a representative mesh
 per claim, and the two-process test does not run: its numerics are the single-process mesh RL run's (marked),
-and what it adds (gloo, checkpoints) does not depend on the ISA."""
+and what it adds (gloo, checkpoints) does not depend on the ISA.
+
+Each leg is one pytest process of its own (`-n 0`: no workers of its own), and one unit of the suite's two
+xdist workers, scheduled first (tests/conftest.py, LONGEST_FIRST)."""
 
 import os
 import subprocess
@@ -31,7 +34,7 @@ def test_bitwise_claims_hold_under_isa(isa):
     env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if not f.startswith(ISA_FLAG + "=")
                                 or f == f"{ISA_FLAG}={isa}")
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "bitwise", "-p", "no:cacheprovider",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "bitwise", "-p", "no:cacheprovider",
                            "--durations=5", os.path.join(ROOT, "tests")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=1800)
     print(f"ISA leg {isa}: {time.perf_counter() - start:.0f} s\n{proc.stdout[-3000:]}")

@@ -26,7 +26,7 @@ def _env(*xla_flags, **extra):
 def test_multidevice_suite_on_eight_fake_devices():
     env = _env("--xla_force_host_platform_device_count=8", JAXALIGN_MULTIDEVICE="1")
     leg = ["-m", "bitwise"] if os.environ.get("JAXALIGN_ISA_LEG") else []  # tests/test_isa_matrix.py
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *leg,
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *leg,
                            os.path.join(ROOT, "tests", "multidevice")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]

@@ -29,8 +29,9 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_train_checkpoint_and_resume_like_one_device(tmp_path):
     cache = str(tmp_path / "cache")
+    # two steps (tests/multidevice/rl_worker.py runs them too): the first stops, checkpoints and is resumed from
     reference = strip_timing(Trainer(warm_start(ModelConfig.preset("countdown"), SFT, cache, progress=False),
-                                     rl_config(), str(tmp_path / "single")).run(progress=False))
+                                     rl_config(steps=2), str(tmp_path / "single")).run(progress=False))
     port = _free_port()
     procs, outs = [], []
     for pid in range(2):
@@ -43,13 +44,17 @@ def test_two_processes_train_checkpoint_and_resume_like_one_device(tmp_path):
         procs.append(subprocess.Popen([sys.executable, os.path.join(TESTS, "multidevice", "rl_worker.py"), TESTS, cache,
                                        str(tmp_path / "run"), out], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    try:  # a generous limit (a loaded 2-core machine runs each process on a fraction of a core); none left behind
+        logs = [p.communicate(timeout=1800)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
     results = [json.load(open(o)) for o in outs]
     assert [r["process"] for r in results] == [0, 1]
     assert all(r["devices"] == 2 for r in results)
-    assert os.path.isdir(tmp_path / "run" / "checkpoints" / "2")  # written by both, restored from by both
+    assert os.path.isdir(tmp_path / "run" / "checkpoints" / "1")  # written by both, restored from by both
     for r in results:
         assert strip_timing(r["rows"]) == reference
-    assert [row["step"] for row in reference] == [0, 1, 2, 3]
+    assert [row["step"] for row in reference] == [0, 1, 2]

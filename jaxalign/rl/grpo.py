@@ -74,6 +74,12 @@ def policy_loss(logp, logp_old, advantages, weights, mask, cfg: GRPOConfig, logp
     mesh."""
     policy = policy or NumericPolicy()
     mask = mask != 0
+    # The loss's first ops subtract its inputs: an input made by a product in the same program (XLA turns
+    # `x / c` into `x * (1/c)`) would be contracted with that subtraction into an FMA, so the loss's bits would
+    # depend on how its inputs were computed, not only on their values.
+    logp, logp_old = uncontracted(logp, policy), uncontracted(logp_old, policy)
+    if logp_ref is not None:
+        logp_ref = uncontracted(logp_ref, policy)
 
     ratio = jnp.exp(jnp.clip(logp - logp_old, -20.0, 20.0))
     adv = advantages[:, None]

@@ -1,5 +1,5 @@
 """One process of the two-process RL test (tests/test_multiprocess.py): joins the job named by the
-JAXALIGN_* environment variables, runs GRPO with the trainer mesh spanning both processes, stops after two steps,
+JAXALIGN_* environment variables, runs GRPO with the trainer mesh spanning both processes, stops after one step,
 resumes from the orbax checkpoint in a fresh Trainer and finishes; writes its metric rows as JSON."""
 
 import json
@@ -19,7 +19,7 @@ sys.path.insert(0, sys.argv[1])
 from rl_settings import SFT, rl_config  # noqa: E402
 
 cache, run_dir, out = sys.argv[2], sys.argv[3], sys.argv[4]
-config = rl_config(trainer_mesh="data=2")
+config = rl_config(trainer_mesh="data=2", steps=2)  # the two steps of tests/test_multiprocess.py's reference
 
 
 def model():
@@ -27,7 +27,7 @@ def model():
 
 
 first = Trainer(model(), config, run_dir)
-first.run(progress=False, stop_after=2)
+first.run(progress=False, stop_after=1)  # checkpoints after step 1
 resumed = Trainer(model(), config, run_dir)  # as a restarted job would
 rows = resumed.run(progress=False)
 with open(out, "w") as f:
