@@ -213,12 +213,12 @@ def cmd_experiment(args) -> int:
     exp = ExperimentConfig(arms=_arms(args), seeds=seeds, steps=steps,
                            prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                            max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
-                           is_threshold=args.is_threshold, rs=args.rs, eval_every=args.eval_every,
+                           ppo_epochs=args.ppo_epochs, is_threshold=args.is_threshold, rs=args.rs, eval_every=args.eval_every,
                            eval_problems=args.eval_problems, problem_count=tuple(args.problem_count),
                            max_target=args.max_target,
                            sft=SFTConfig(steps=args.sft_steps, problems=args.sft_problems,
                                          problem_count=tuple(args.problem_count),
-                                         max_new_tokens=args.max_new_tokens),
+                                         max_new_tokens=args.max_new_tokens, answers=args.sft_answers),
                            trainer_mesh=args.trainer_mesh or "", engine_mesh=args.engine_mesh or "")
     if args.study:
         from jaxalign.rl.study import run_study, study_markdown
@@ -303,6 +303,7 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--group-size", type=int, default=4)
     e.add_argument("--max-new-tokens", type=int, default=24)
     e.add_argument("--learning-rate", type=float, default=3e-4)
+    e.add_argument("--ppo-epochs", type=int, default=1, help="optimizer steps on each collected batch")
     e.add_argument("--is-threshold", default="2.0", help="default correction: TIS cap C, or lo_hi for IcePop")
     e.add_argument("--rs", type=_str_list, default=("seq_mean_k1:0.999_1.001",),
                    help="default correction: rejection rules MODE:THRESHOLD, comma-separated (empty string: none)")
@@ -313,6 +314,9 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-target", type=int, default=99, help="largest target (default 99)")
     e.add_argument("--sft-steps", type=int, default=600)
     e.add_argument("--sft-problems", type=int, default=4000)
+    e.add_argument("--sft-answers", choices=("solution", "random"), default="solution",
+                   help="warm-start answers: brute-force solutions, or random well-formed expressions (RL must "
+                        "then learn correctness)")
     e.add_argument("--out", required=True, help="output directory (resumes runs found there)")
     e.add_argument("--json", action="store_true")
     _add_mesh_args(e)
