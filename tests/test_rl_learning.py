@@ -28,17 +28,36 @@ class FirstCharIsDigit(CountdownTask):
         return float(tokenizer.decode(list(completion))[:1].isdigit())
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """8 GRPO steps from a random-init model on `FirstCharIsDigit`, with 1 and with 2 PPO epochs per batch."""
+    out = {}
+    for epochs in (1, 2):
+        model = Transformer(ModelConfig.preset("countdown"), rngs=nnx.Rngs(0))
+        config = RLConfig(steps=8, prompts_per_step=8, grpo=GRPOConfig(group_size=4), max_new_tokens=2,
+                          learning_rate=3e-3, ppo_epochs=epochs, eval_every=8, eval_problems=8,
+                          checkpoint_every=8, problem_count=(2, 2))
+        trainer = Trainer(model, config, str(tmp_path_factory.mktemp(f"epochs{epochs}")),
+                          task=FirstCharIsDigit(count=(2, 2), eval_size=8))
+        out[epochs] = trainer.run(progress=False)
+    return out
+
+
 @pytest.mark.parametrize("epochs", [1, 2])
-def test_grpo_raises_the_sampled_reward_on_an_easy_task(tmp_path, epochs):
-    model = Transformer(ModelConfig.preset("countdown"), rngs=nnx.Rngs(0))
-    config = RLConfig(steps=8, prompts_per_step=8, grpo=GRPOConfig(group_size=4), max_new_tokens=2,
-                      learning_rate=3e-3, ppo_epochs=epochs, eval_every=8, eval_problems=8, checkpoint_every=8,
-                      problem_count=(2, 2))
-    rows = Trainer(model, config, str(tmp_path / "run"), task=FirstCharIsDigit(count=(2, 2), eval_size=8)).run(
-        progress=False)
-    train = [r["reward_mean"] for r in rows if "reward_mean" in r]
+def test_grpo_raises_the_sampled_reward_on_an_easy_task(runs, epochs):
+    train = [r["reward_mean"] for r in runs[epochs] if "reward_mean" in r]
     assert 0.1 < train[0] < 0.6, f"the task should start neither solved nor hopeless: {train}"
     assert np.mean(train[-3:]) > train[0] + 0.3, f"sampled reward did not rise: {train}"
+
+
+def test_only_the_first_ppo_epoch_is_on_policy(runs):
+    """Same first rollout; with one epoch the (aligned, decoupled) PPO ratio is exactly 1, a second epoch on
+    the same batch sees the updated policy (ratio != 1) and so leads to other weights."""
+    one, two = runs[1][1], runs[2][1]
+    assert one["reward_mean"] == two["reward_mean"]
+    assert one["ratio_mean"] == 1.0
+    assert two["ratio_mean"] != 1.0
+    assert runs[1][2:] != runs[2][2:]
 
 
 def test_random_answers_are_well_formed_and_use_every_number_once():
