@@ -195,12 +195,13 @@ def cmd_experiment(args) -> int:
     exp = ExperimentConfig(arms=_arms(args), seeds=seeds, steps=steps,
                            prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                            max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
-                           is_threshold=args.is_threshold, rs=args.rs, eval_every=args.eval_every,
+                           ppo_epochs=args.ppo_epochs, is_threshold=args.is_threshold, rs=args.rs,
+                           eval_every=args.eval_every,
                            eval_problems=args.eval_problems, problem_count=tuple(args.problem_count),
                            max_target=args.max_target,
                            sft=SFTConfig(steps=args.sft_steps, problems=args.sft_problems,
                                          problem_count=tuple(args.problem_count),
-                                         max_new_tokens=args.max_new_tokens),
+                                         max_new_tokens=args.max_new_tokens, answers=args.sft_answers),
                            trainer_mesh=args.trainer_mesh or "", engine_mesh=args.engine_mesh or "")
     if args.study:
         from jaxalign.rl.study import run_study, study_markdown
@@ -221,7 +222,7 @@ def _add_experiment_parser(sub) -> None:
     """`jaxalign experiment countdown`: every default is ExperimentConfig's (or SFTConfig's) field default."""
     from jaxalign.rl.arms import BUILTIN, GRAMMAR
     from jaxalign.rl.experiment import ExperimentConfig
-    from jaxalign.rl.sft import SFTConfig
+    from jaxalign.rl.sft import ANSWERS as SFT_ANSWERS, SFTConfig
     from jaxalign.rl.study import STUDY_SEEDS, STUDY_STEPS
     exp = lambda name: field_default(ExperimentConfig, name)  # noqa: E731
     p = sub.add_parser("experiment", help="RL experiments")
@@ -242,6 +243,7 @@ def _add_experiment_parser(sub) -> None:
     for name in ("prompts_per_step", "group_size", "max_new_tokens", "eval_every", "eval_problems", "max_target"):
         e.add_argument("--" + name.replace("_", "-"), type=int, default=exp(name))
     e.add_argument("--learning-rate", type=float, default=exp("learning_rate"))
+    e.add_argument("--ppo-epochs", type=int, default=exp("ppo_epochs"), help="optimizer steps on each collected batch")
     e.add_argument("--is-threshold", default=exp("is_threshold"),
                    help="default correction: TIS cap C, or lo_hi for IcePop")
     e.add_argument("--rs", type=_str_list, default=exp("rs"),
@@ -251,6 +253,9 @@ def _add_experiment_parser(sub) -> None:
                         f"{_count_text(exp('problem_count'))})")
     e.add_argument("--sft-steps", type=int, default=field_default(SFTConfig, "steps"))
     e.add_argument("--sft-problems", type=int, default=field_default(SFTConfig, "problems"))
+    e.add_argument("--sft-answers", choices=SFT_ANSWERS, default=field_default(SFTConfig, "answers"),
+                   help="warm-start answers: brute-force solutions, or random well-formed expressions (RL must "
+                        "then learn correctness)")
     e.add_argument("--out", required=True, help="output directory (resumes runs found there)")
     add_json_arg(e)
     add_mesh_args(e)

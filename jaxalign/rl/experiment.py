@@ -45,6 +45,7 @@ class ExperimentConfig:
     group_size: int = 4
     max_new_tokens: int = 24
     learning_rate: float = 3e-4
+    ppo_epochs: int = 1
     is_threshold: str = "2.0"
     rs: tuple[str, ...] = DEFAULT_RS
     eval_every: int = 5
@@ -88,6 +89,7 @@ def run_config(exp: ExperimentConfig, arm: Arm, seed: int) -> RLConfig:
     default = CorrectionConfig(is_threshold=exp.is_threshold, rs=tuple(exp.rs))
     return RLConfig(**arm.settings(default), steps=exp.steps, prompts_per_step=exp.prompts_per_step,
                     max_new_tokens=exp.max_new_tokens, learning_rate=exp.learning_rate,
+                    ppo_epochs=exp.ppo_epochs,
                     grpo=GRPOConfig(group_size=exp.group_size), seed=seed, eval_every=exp.eval_every,
                     eval_problems=exp.eval_problems, problem_count=tuple(exp.problem_count),
                     checkpoint_every=max(1, exp.steps // 3), trainer_mesh=exp.trainer_mesh,

@@ -37,6 +37,25 @@ class SFTConfig:
     max_new_tokens: int = 24
     policy: NumericPolicy = NumericPolicy.preset("fp32")  # a policy string is accepted and parsed
     problem_count: tuple[int, int] = (3, 3)
+    answers: str = "solution"  # or "random": well-formed expressions over the numbers, right only by chance
+
+    def __post_init__(self):
+        if self.answers not in ANSWERS:
+            raise ValueError(f"SFTConfig.answers = {self.answers!r}; allowed: {', '.join(ANSWERS)}")
+
+
+ANSWERS = ("solution", "random")
+
+
+def random_expression(numbers, rng: np.random.Generator) -> str:
+    """A well-formed expression using each of `numbers` once with random operators and grouping (right only by
+    chance): the warm start for RL that must learn correctness, not the format."""
+    parts = [str(n) for n in numbers]
+    while len(parts) > 1:
+        i, j = rng.choice(len(parts), 2, replace=False)
+        joined = f"({parts[i]}{'+-*/'[rng.integers(4)]}{parts[j]})"
+        parts = [p for k, p in enumerate(parts) if k not in (i, j)] + [joined]
+    return parts[0][1:-1] if parts[0].startswith("(") else parts[0]
 
     def __post_init__(self):
         object.__setattr__(self, "policy", NumericPolicy.coerce(self.policy, label="SFTConfig.policy"))
@@ -47,14 +66,17 @@ class SFTConfig:
 
 
 def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Token sequences [N, W] (prompt + solution + </answer> + eos) and the mask of target positions [N, W-1]."""
+    """Token sequences [N, W] (prompt + answer + </answer> + eos; the answer is the brute-force solution, or with
+    `answers="random"` a random well-formed expression) and the mask of target positions [N, W-1]."""
     width = PROMPT_WIDTH + cfg.max_new_tokens
     problems = countdown.generate_problems(cfg.problems, seed=cfg.seed, count=cfg.problem_count)
+    rng = np.random.default_rng(cfg.seed)
     tokens = np.zeros((len(problems), width), np.int32)
     mask = np.zeros((len(problems), width - 1), bool)
     for i, p in enumerate(problems):
         prompt = tokenizer.encode(p.prompt(), bos=True)
-        answer = tokenizer.encode(p.solution + "</answer>", eos=True)
+        text = p.solution if cfg.answers == "solution" else random_expression(p.numbers, rng)
+        answer = tokenizer.encode(text + "</answer>", eos=True)
         if len(prompt) > PROMPT_WIDTH or len(answer) > cfg.max_new_tokens:
             raise ValueError(f"problem {p} does not fit the prompt width / max_new_tokens")
         tokens[i, : len(prompt) + len(answer)] = prompt + answer

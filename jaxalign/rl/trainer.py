@@ -60,6 +60,7 @@ class RLConfig:
     max_new_tokens: int = 24
     temperature: float = 1.0
     learning_rate: float = 3e-4
+    ppo_epochs: int = 1  # optimizer steps on each collected batch (PPO epochs; the first is exactly on-policy)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     mode: str = DECOUPLED
@@ -87,7 +88,7 @@ class RLConfig:
             raise ValueError(f"mode = {self.mode!r}; allowed: {', '.join(MODES)}")
         check_replay(self.replay, REPLAY_MODES)
         for name in ("steps", "prompts_per_step", "max_new_tokens", "checkpoint_every", "eval_every",
-                     "eval_problems"):
+                     "eval_problems", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} = {getattr(self, name)}; allowed: >= 1")
 
@@ -284,12 +285,12 @@ class Trainer:
         shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
         return jax.jit(update, out_shardings=(shardings(self.params), shardings(self.opt_state), None))
 
-    def _apply_update(self, batch: TrainBatch):
-        """Run the update on the trainer's mesh (rows of the batch split)."""
+    def _apply_update(self, batch: TrainBatch, params, opt_state):
+        """Run the update from (params, opt_state) on the trainer's mesh (rows of the batch split)."""
         if self.mesh is None:
-            return self._update(self.params, self.opt_state, jax.tree.map(jnp.asarray, batch))
+            return self._update(params, opt_state, jax.tree.map(jnp.asarray, batch))
         with mesh_context(self.mesh):
-            return self._update(self.params, self.opt_state, jax.tree.map(lambda b: put_batch(b, self.mesh), batch))
+            return self._update(params, opt_state, jax.tree.map(lambda b: put_batch(b, self.mesh), batch))
 
     # --- collect --------------------------------------------------------------------------------------------
     def collect(self) -> tuple[TrainBatch, dict]:
@@ -330,9 +331,12 @@ class Trainer:
         return batch, metrics
 
     def train_step(self) -> dict:
-        """One GRPO step (collect, update, sync the engine); returns its metrics row."""
+        """One GRPO step (collect, `ppo_epochs` updates on the batch, sync the engine); returns its metrics row
+        (the update's metrics are the last epoch's)."""
         batch, rollout_metrics = self.collect()
-        params, opt_state, update_metrics = self._apply_update(batch)
+        params, opt_state = self.params, self.opt_state
+        for _ in range(self.config.ppo_epochs):
+            params, opt_state, update_metrics = self._apply_update(batch, params, opt_state)
         loss, gnorm = float(update_metrics["loss"]), float(update_metrics["grad_norm"])
         if not (np.isfinite(loss) and np.isfinite(gnorm)):
             if self.checkpoints.latest_step() != self.step:
