@@ -261,7 +261,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-seed", type=int, default=0, help="parameter init seed")
     p.add_argument("--trainer", type=_policy, default=PRESETS["train-bf16"], help="trainer policy (preset or string)")
     p.add_argument("--engine", type=_policy, default=PRESETS["serve-bf16"], help="engine policy")
-    p.add_argument("--replay", choices=("none", "r2", "r3"), default="none", help="router replay mode")
+    p.add_argument("--replay", choices=("none", "r2", "r3", "r3w", "index", "r3+index", "r3w+index"), default="none",
+                   help="router replay mode (r3w: the engine's experts and combine weights; +index: the engine's "
+                        "DSA index selections)")
     p.add_argument("--prompts", type=int, default=16, help="number of prompts")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--engine-batch", type=_int_list, default=[8], help="engine batch sizes, e.g. 1,8,32")
@@ -290,7 +292,7 @@ def make_parser() -> argparse.ArgumentParser:
     e = esub.add_parser("countdown", help="GRPO on Countdown, one arm per numeric set-up, same warm start, "
                                           "problems and seeds")
     e.add_argument("--arm", action="append", default=[], metavar="SPEC",
-                   help="an arm, repeatable: NAME=TRAINER/ENGINE[;correction=MODE][;replay=none|r2|r3] (policies "
+                   help="an arm, repeatable: NAME=TRAINER/ENGINE[;correction=MODE][;replay=MODE] (policies "
                         "may contain commas; see jaxalign.rl.arms), or a built-in name (aligned, misaligned); "
                         "default: aligned and misaligned")
     e.add_argument("--arms", type=_str_list, default=None, help="built-in arm names, comma-separated (older form)")

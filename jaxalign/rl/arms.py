@@ -26,14 +26,14 @@ import re
 from jaxalign.numerics import NumericPolicy
 from jaxalign.rl.correction import CorrectionConfig
 
-REPLAYS = ("none", "r2", "r3")
+REPLAYS = ("none", "r2", "r3", "r3w", "index", "r3+index", "r3w+index")  # as align/compare.py REPLAY_MODES
 OPTIONS = ("correction", "replay")
 BUILTIN = {
     "aligned": "aligned=aligned-bf16/aligned-bf16",
     "misaligned": "misaligned=train-bf16/serve-bf16",
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-GRAMMAR = ("NAME=TRAINER/ENGINE[;correction=MODE][;replay=none|r2|r3], e.g. "
+GRAMMAR = ("NAME=TRAINER/ENGINE[;correction=MODE][;replay=" + "|".join(REPLAYS) + "], e.g. "
            "'mine=aligned-bf16,kernel=xla/serve-bf16;correction=tis:2+rs:seq_mean_k1:0.999_1.001;replay=r3' "
            "or a built-in name (" + ", ".join(BUILTIN) + ")")
 
