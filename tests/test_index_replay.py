@@ -137,3 +137,24 @@ def test_router_gets_no_gradient_through_replayed_weights():
     assert np.abs(np.asarray(router_r3)).max() > 0
     assert np.abs(np.asarray(router_r3w)).max() == 0.0
     assert np.abs(np.asarray(experts_r3w)).max() > 0
+
+
+def test_rl_trainer_replays_the_engine_experts_weights_and_index_selections(tmp_path):
+    """`RLConfig.replay="r3w+index"`: the trainer's old-policy pass replays the engine's experts, gate weights and
+    DSA selections, so a trainer differing from the engine only in its router and indexer precision scores the
+    engine's logprobs exactly (every IS weight 1); replaying the experts alone does not. The update runs on the
+    same replay inputs."""
+    from jaxalign.rl.trainer import Trainer
+    from rl_settings import rl_config
+    trainer_policy = str(ALIGNED.replace(router_logits_dtype="bf16", index_scores_dtype="bf16"))
+    kw = dict(trainer_policy=trainer_policy, steps=1, prompts_per_step=2, max_new_tokens=8, eval_problems=2)
+    full = Trainer(build_model("tiny-glm5"), rl_config(replay="r3w+index", **kw), str(tmp_path / "a"))
+    batch, _ = full.collect()
+    assert batch.index_replay.shape[2:] == (3, 6) and batch.replay_weights.shape == batch.replay.shape
+    scored = batch.weights[batch.weights != 0]  # IS weights of the completion tokens (0 on padding)
+    assert scored.size and (scored == 1.0).all() and batch.mask.any()
+    ids_only, _ = Trainer(build_model("tiny-glm5"), rl_config(replay="r3", **kw), str(tmp_path / "b")).collect()
+    assert ids_only.index_replay is None and ids_only.replay_weights is None
+    assert np.any((ids_only.weights != 0) & (ids_only.weights != 1.0))
+    _, _, metrics = full._apply_update(batch)
+    assert np.isfinite(float(metrics["loss"]))
