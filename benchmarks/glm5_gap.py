@@ -1,9 +1,11 @@
 """The GLM-5 (tiny-glm5) trainer-engine gap: k3 and DSA index flips for an expanded-MLA trainer against an
-absorbed-MLA engine and for train-bf16 against serve-bf16, with and without index replay and R3, plus the KV
-cache bytes of the latent cache against per-head K/V. Prints the README's table and writes JSON.
+absorbed-MLA engine and for train-bf16 against serve-bf16, with and without index replay, R3 (expert ids) and
+R3w (expert ids and the engine's combine weights), plus the KV cache bytes of the latent cache against per-head
+K/V. Prints the README's table and writes JSON.
 
-The engine generates (temperature 1); the trainer scores the tokens teacher-forced. The engine's index selections
-are those of a teacher-forced pass under the engine policy (the Rollout does not record them yet).
+The engine generates (temperature 1) and records its own DSA index selections, experts and combine weights in the
+Rollout; the trainer scores the tokens teacher-forced, replaying what the replay mode names
+(`jaxalign.align.compare.engine_replay`).
 
     python benchmarks/glm5_gap.py [--prompts 16] [--new-tokens 24]
 """
@@ -20,7 +22,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(__file__))
 import jaxalign as ja  # noqa: E402
 from common import write_json  # noqa: E402
-from jaxalign.align.compare import random_prompts  # noqa: E402
+from jaxalign.align.compare import engine_replay, random_prompts  # noqa: E402
 from jaxalign.align.index_metrics import index_flip_metrics  # noqa: E402
 from jaxalign.align.metrics import mismatch_metrics  # noqa: E402
 from jaxalign.engine import kernels  # noqa: E402
@@ -28,7 +30,7 @@ from jaxalign.numerics import dtype  # noqa: E402
 
 PAIRS = [("expanded vs absorbed", "aligned-bf16", "aligned-bf16,mla=absorbed"),
          ("train-bf16 vs serve-bf16", "train-bf16", "serve-bf16")]
-REPLAYS = ("none", "index", "r3", "index+r3")
+REPLAYS = ("none", "index", "r3", "r3+index", "r3w", "r3w+index")
 
 
 def cache_bytes(cfg, policy, batch: int, cache_len: int) -> dict:
@@ -54,17 +56,14 @@ def main(argv=None) -> int:
     for name, trainer_name, engine_name in PAIRS:
         trainer, engine = ja.NumericPolicy.parse(trainer_name), ja.NumericPolicy.parse(engine_name)
         rollout = ja.generate(model, prompts, engine, max_new_tokens=args.new_tokens, seed=0)
-        _, engine_rec = ja.token_logprobs(model, rollout.tokens, engine)
-        engine_index = np.asarray(engine_rec.index_positions)
+        engine_rec = rollout.routing  # the engine's own selections, recorded while it generated
         valid = np.zeros(rollout.tokens.shape, bool)
         valid[:, 1:] = rollout.mask  # the positions whose next-token logprob is scored
         for replay in REPLAYS:
-            lp, rec = ja.token_logprobs(model, rollout.tokens, trainer,
-                                        replay=rollout.routing.indices if "r3" in replay else None,
-                                        index_replay=engine_index if "index" in replay else None)
+            lp, rec = ja.token_logprobs(model, rollout.tokens, trainer, **engine_replay(rollout, replay))
             gap = mismatch_metrics(np.asarray(lp), rollout.logprobs, rollout.mask)
-            flips = index_flip_metrics(engine_index, np.asarray(rec.index_positions), valid=valid,
-                                       margins_a=np.asarray(engine_rec.index_margins))
+            flips = index_flip_metrics(engine_rec.index_positions, np.asarray(rec.index_positions), valid=valid,
+                                       margins_a=engine_rec.index_margins)
             rows.append({"pair": name, "trainer": trainer_name, "engine": engine_name, "replay": replay,
                          "k3_kl": gap["k3_kl"], "max_abs_logp_diff": gap["max_abs_logp_diff"], **flips})
             print(f"{name:26s} replay={replay:9s} k3={gap['k3_kl']:.3e} index flips (trainer's own indexer)="

@@ -16,7 +16,7 @@ from jaxalign import interop  # noqa: E402  (so `jaxalign.interop.hf` works afte
 from jaxalign.align.compare import compare  # noqa: E402
 from jaxalign.align.localize import localize  # noqa: E402
 from jaxalign.align.metrics import mismatch_metrics  # noqa: E402
-from jaxalign.align.replay import RoutingRecord  # noqa: E402
+from jaxalign.model.routing import RoutingRecord  # noqa: E402
 from jaxalign.align.routing import routing_metrics  # noqa: E402
 from jaxalign.engine import Engine, Rollout, generate  # noqa: E402
 from jaxalign.model import ModelConfig, Transformer, sequence_logprobs, token_logprobs  # noqa: E402

@@ -297,7 +297,8 @@ def make_parser() -> argparse.ArgumentParser:
                                        "report KL / k3 / route flips per engine batch size")
     add_model_args(p, default=COMMAND_MODEL, model_type=_model_preset, help=f"model preset (default {COMMAND_MODEL})")
     add_policy_args(p, **GAP_PAIR)
-    add_replay_arg(p, func=compare, help="router replay mode")
+    add_replay_arg(p, func=compare, help="router replay mode (r3w: the engine's experts and combine weights; "
+                                         "+index: the engine's DSA index selections)")
     add_generation_args(p, func=compare)
     p.add_argument("--engine-batch", type=_int_list, default=list(param_default(compare, "engine_batches")),
                    help="engine batch sizes, e.g. 1,8,32")

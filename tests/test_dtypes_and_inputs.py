@@ -85,7 +85,7 @@ def test_bad_replay_and_sampling_refused():
     tokens = random_tokens(model.config, 1, 6)
     with pytest.raises(ValueError, match=r"\[batch, seq, moe_layers, k\]"):
         token_logprobs(model, tokens, NumericPolicy(), replay=np.zeros((1, 6, 2, 3), np.int32))
-    with pytest.raises(ValueError, match="allowed: -1..7"):
+    with pytest.raises(ValueError, match=r"allowed: -1 \(not routed\) .. 7"):
         token_logprobs(model, tokens, NumericPolicy(), replay=np.full((1, 6, 2, 4), 8, np.int32))
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(model, tokens, NumericPolicy(), temperature=-1.0)

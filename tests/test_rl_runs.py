@@ -22,6 +22,7 @@ def test_arms_parse_and_differ_only_in_what_they_name():
                                                  "engine_policy": "serve-bf16"},
         "x=aligned-bf16/aligned-bf16;replay=r3": {"replay": "r3"},
         "x=aligned-bf16/aligned-bf16,replay=r2": {"replay": "r2"},
+        "x=aligned-bf16/aligned-bf16;replay=r3w+index": {"replay": "r3w+index"},
         "x=aligned-bf16/aligned-bf16;correction=bypass": {"mode": "bypass",
                                                           "correction": {"is_level": "none", "rs": ()}},
         "x=aligned-bf16/aligned-bf16;correction=none": {"correction": {"is_level": "none", "rs": ()}},

@@ -52,7 +52,7 @@ def test_mismatched_records_are_refused(rollout, tmp_path):
     bad[0, 0, 0, 0] = 8
     with pytest.raises(ValueError, match=r"allowed: -1 \(not routed\) .. 7"):
         from_verl(bad, model.config)
-    with pytest.raises(ValueError, match="allowed: -1..7"):
+    with pytest.raises(ValueError, match=r"allowed: -1 \(not routed\) .. 7"):
         ja.token_logprobs(model, r.tokens, FP32, replay=bad)
     assert not (tmp_path / "bad.safetensors").exists()
 

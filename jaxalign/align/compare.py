@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxalign.align.index_metrics import index_flip_metrics
 from jaxalign.align.metrics import mismatch_metrics
 from jaxalign.align.routing import routing_metrics
 from jaxalign.engine import Engine, Rollout
@@ -11,8 +12,22 @@ from jaxalign.model.scoring import token_logprobs
 from jaxalign.model.sharding import mesh_description
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
-from jaxalign.replay_modes import REPLAY_MODES
+from jaxalign.replay_modes import REPLAY_MODES, replay_parts
 
+
+def engine_replay(rollout: Rollout, mode: str, native_indices=None) -> dict:
+    """The trainer-side replay inputs of `mode` for a rollout's tokens, as `token_logprobs` keywords: `replay`
+    (r3/r3w: the engine's experts; r2: `native_indices`, a trainer pass's own), `replay_weights` (r3w: the
+    engine's combine weights) and `index_replay` (+index: the engine's DSA selections)."""
+    expert, with_index = replay_parts(mode)
+    routing = rollout.routing
+    if with_index and routing.index_positions is None:
+        raise ValueError(f"replay = {mode!r} replays DSA index selections, but this rollout has none (the model "
+                         f"has no DSA indexer); allowed here: {', '.join(m for m in REPLAY_MODES if 'index' not in m)}")
+    experts = {"none": None, "r2": native_indices, "r3": routing.indices, "r3w": routing.indices}[expert]
+    return {"replay": None if experts is None else np.asarray(experts),
+            "replay_weights": np.asarray(routing.weights) if expert == "r3w" else None,
+            "index_replay": np.asarray(routing.index_positions) if with_index else None}
 
 
 def random_prompts(vocab_size: int, n: int, seed: int, min_len: int = 4, max_len: int = 16) -> list[np.ndarray]:
@@ -27,26 +42,32 @@ def score_rollout(model: Transformer, rollout: Rollout, trainer: NumericPolicy, 
     """Trainer-side scores of a rollout and the mismatch/routing metrics against the engine's, under the sampling
     parameters the rollout was generated with (`rollout.sampling`).
 
-    replay: `none` (trainer routes natively), `r3` (engine-recorded experts), `r2` (experts recorded by a
-    separate trainer pass of the old policy -- at identical weights, the trainer's own native routing).
+    replay: `none` (trainer routes natively), `r3` (engine-recorded experts), `r3w` (engine-recorded experts and
+    combine weights), `r2` (experts recorded by a separate trainer pass of the old policy -- at identical
+    weights, the trainer's own native routing); `index` / `r3+index` / `r3w+index` also replay the engine's DSA
+    index selections (DSA models).
     `mesh`: the trainer's device mesh (None = one device).
-    Returns {"metrics": {...}, "routing": {...}, "native_routing": {...}, "logp_trainer": array}.
+    Returns {"metrics": {...}, "routing": {...}, "native_routing": {...}, "logp_trainer": array} and, for a DSA
+    model, "index": the engine's index selections against the trainer's own indexer (`index_flip_metrics`).
     """
-    if replay not in REPLAY_MODES:
-        raise ValueError(f"replay = {replay!r}; allowed: {', '.join(REPLAY_MODES)}")
+    replay_parts(replay)
     kw = dict(sampling=rollout.sampling, mesh=mesh)
     engine_idx = np.asarray(rollout.routing.indices)
     forwarded = (engine_idx >= 0).all(-1).all(-1)
     _, native = token_logprobs(model, rollout.tokens, trainer, **kw)
-    replay_idx = {"none": None, "r3": engine_idx, "r2": np.asarray(native.indices)}[replay]
-    logp, record = token_logprobs(model, rollout.tokens, trainer, replay=replay_idx, **kw)
-    return {
+    logp, record = token_logprobs(model, rollout.tokens, trainer, **kw,
+                                  **engine_replay(rollout, replay, np.asarray(native.indices)))
+    out = {
         "metrics": mismatch_metrics(np.asarray(logp), rollout.logprobs, rollout.mask),
         "routing": routing_metrics(engine_idx, np.asarray(record.indices), valid=forwarded,
                                    margins_a=rollout.routing.margins),
         "native_routing": routing_metrics(engine_idx, np.asarray(native.indices), valid=forwarded),
         "logp_trainer": np.asarray(logp),
     }
+    if rollout.routing.index_positions is not None:
+        out["index"] = index_flip_metrics(rollout.routing.index_positions, np.asarray(record.index_positions),
+                                          valid=forwarded, margins_a=rollout.routing.index_margins)
+    return out
 
 
 def compare(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *, replay: str = "none",
@@ -55,6 +76,9 @@ def compare(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *
             engine_mesh=None) -> dict:
     """Run the engine at each batch size and score with the trainer. Returns a JSON-ready report.
     `trainer_mesh` / `engine_mesh`: device meshes (`jaxalign.make_mesh`) for each side; None = one device."""
+    if replay_parts(replay)[1] and not model.config.index_topk:
+        raise ValueError(f"replay = {replay!r} replays DSA index selections, but this model has no DSA indexer "
+                         f"(index_topk = 0); allowed here: {', '.join(m for m in REPLAY_MODES if 'index' not in m)}")
     prompts = random_prompts(model.config.vocab_size, n_prompts, seed,
                              max_len=min(16, model.config.max_seq_len - max_new_tokens))
     eng = Engine(model, engine, mesh=engine_mesh)
@@ -67,6 +91,7 @@ def compare(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *
         runs.append({"engine_batch": batch, **scored["metrics"],
                      **{k: v for k, v in routing.items() if k != "n_decisions"},
                      "native_route_flip_rate": scored["native_routing"]["route_flip_rate"],
+                     **({"index_flip_rate": scored["index"]["index_flip_rate"]} if "index" in scored else {}),
                      "engine_seconds": rollout.stats["seconds"]})
     return {"model": model.config.family if model.config.family != "jaxalign" else "jaxalign",
             "config_fingerprint": model.config.fingerprint(), "trainer": str(trainer), "engine": str(engine),

@@ -1,118 +1,88 @@
-"""RoutingRecord: which experts each token used, per MoE layer, in top-k slot order.
+"""Routing record files (safetensors + JSON metadata, docs/router-replay.md) and the slime/verl converters.
 
-Layout: `indices` int32 [batch, seq, moe_layers, k], -1 = not routed (padding, or a token never forwarded);
-`weights` float32 [batch, seq, moe_layers, k] gate weights; `margins` float32 [batch, seq, moe_layers], the
-router's selection-score gap between the k-th and (k+1)-th expert (how close the decision was to flipping).
+The record type itself lives in `jaxalign.model.routing` (re-exported here so old imports work).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxalign.model.routing import RoutingRecord, check_expert_indices
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class RoutingRecord:
-    """Expert choices of a forward pass (see module docstring for the layout)."""
+__all__ = ["FORMAT", "FORMATS", "RoutingRecord", "empty_record", "from_slime", "from_verl", "load_record",
+           "save_record", "to_slime", "validate_indices"]
 
-    indices: jax.Array
-    weights: jax.Array
-    margins: jax.Array
-    # DSA models only: the indexer's chosen key positions [batch, seq, layers, index_topk] (-1 = none) and its
-    # selection margins [batch, seq, layers]; None otherwise
-    index_positions: jax.Array | None = None
-    index_margins: jax.Array | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """(batch, seq, moe_layers, k)."""
-        return tuple(self.indices.shape)
-
-    def masked(self, valid: jax.Array) -> "RoutingRecord":
-        """Entries where `valid` [batch, seq] is False become -1 / 0 / inf."""
-        v = jnp.asarray(valid, bool)
-        return RoutingRecord(
-            indices=jnp.where(v[..., None, None], self.indices, -1),
-            weights=jnp.where(v[..., None, None], self.weights, 0.0),
-            margins=jnp.where(v[..., None], self.margins, jnp.inf),
-        )
+# v1: expert ids (+ weights, margins). v2 adds the DSA index selections; a record without them is still v1.
+FORMAT_V1 = "jaxalign-routing-v1"
+FORMAT = "jaxalign-routing-v2"
+FORMATS = (FORMAT_V1, FORMAT)
 
 
 def empty_record(batch: int, seq: int, moe_layers: int, k: int) -> RoutingRecord:
-    """A record with nothing routed (-1 everywhere)."""
+    """A record with nothing routed (-1 everywhere), no index fields (see `RoutingRecord.empty`)."""
+    import jax.numpy as jnp
     return RoutingRecord(indices=jnp.full((batch, seq, moe_layers, k), -1, jnp.int32),
                          weights=jnp.zeros((batch, seq, moe_layers, k), jnp.float32),
                          margins=jnp.full((batch, seq, moe_layers), jnp.inf, jnp.float32))
 
 
-# --- file format -----------------------------------------------------------------------------------------------
-FORMAT = "jaxalign-routing-v1"
+def validate_indices(indices, config):
+    """Check indices are integer [batch, seq, moe_layers, k] with values in -1..n_experts-1; returns int32."""
+    return check_expert_indices(np.asarray(indices), config)
 
 
 def save_record(record: RoutingRecord, path, *, config, policy: str = "", source: str = "jaxalign") -> None:
-    """Write a record as safetensors (`indices` int32, `weights` f32, `margins` f32) with JSON-able metadata
-    (format, layout, config fingerprint, n_experts, top_k, moe_layers, policy, source). See docs/router-replay.md.
+    """Write a record as safetensors (`indices` int32, `weights` f32, `margins` f32, and for a DSA record
+    `index_positions` int32 / `index_margins` f32) with JSON-able metadata (format, layout, config fingerprint,
+    n_experts, top_k, moe_layers, [index_topk, index_layers], policy, source). See docs/router-replay.md.
 
     The file is written to a temporary name and renamed, so a failed write never leaves a half-written record.
     """
-    tensors = {"indices": np.ascontiguousarray(np.asarray(record.indices, np.int32)),
-               "weights": np.ascontiguousarray(np.asarray(record.weights, np.float32)),
-               "margins": np.ascontiguousarray(np.asarray(record.margins, np.float32))}
-    validate_indices(tensors["indices"], config)
-    meta = {"format": FORMAT, "layout": "batch,seq,moe_layers,k", "config_fingerprint": config.fingerprint(),
+    record = record.validate(config)
+    tensors = {"indices": record.indices, "weights": record.weights, "margins": record.margins}
+    meta = {"format": FORMAT_V1, "layout": "batch,seq,moe_layers,k", "config_fingerprint": config.fingerprint(),
             "n_experts": str(config.n_experts), "top_k": str(config.top_k),
             "moe_layers": str(config.n_moe_layers), "policy": str(policy), "source": source}
+    if record.index_positions is not None:
+        tensors.update(index_positions=record.index_positions, index_margins=record.index_margins)
+        meta.update(format=FORMAT, index_layout="batch,seq,layers,index_topk", index_topk=str(config.index_topk),
+                    index_layers=str(config.n_layers))
     path = os.fspath(path)
     tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata=meta)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=meta)
     os.replace(tmp, path)
 
 
 def load_record(path, *, config, check_fingerprint: bool = True) -> tuple[RoutingRecord, dict]:
     """Read a record written by `save_record` (or by another stack following docs/router-replay.md) and check
-    it fits `config`. `weights`/`margins` are optional in the file. Returns (record, metadata)."""
+    it fits `config`. `weights`/`margins`/`index_margins` are optional in the file; `index_positions` needs
+    format v2 and a DSA model. Returns (record, metadata)."""
     with safe_open(str(path), framework="np") as f:
         meta = dict(f.metadata() or {})
         names = set(f.keys())
         if "indices" not in names:
             raise ValueError(f"{path}: no 'indices' tensor; a routing record needs indices [batch, seq, "
                              f"moe_layers, k] int32 (found: {sorted(names)})")
-        indices = f.get_tensor("indices")
-        weights = f.get_tensor("weights") if "weights" in names else None
-        margins = f.get_tensor("margins") if "margins" in names else None
-    if meta.get("format", FORMAT) != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}; this reader understands {FORMAT!r}")
+        tensors = {name: f.get_tensor(name) for name in names}
+    fmt = meta.get("format", FORMAT_V1)
+    if fmt not in FORMATS:
+        raise ValueError(f"{path}: format {fmt!r}; this reader understands {', '.join(map(repr, FORMATS))}")
+    if "index_positions" in tensors and fmt != FORMAT:
+        raise ValueError(f"{path}: holds index_positions but says format {fmt!r}; index records are {FORMAT!r}")
     if check_fingerprint and "config_fingerprint" in meta and meta["config_fingerprint"] != config.fingerprint():
         raise ValueError(f"{path}: recorded for model config {meta['config_fingerprint']}, but this model is "
                          f"{config.fingerprint()}; a record only replays on the architecture it was made for")
-    indices = validate_indices(indices, config)
-    weights = np.zeros(indices.shape, np.float32) if weights is None else np.asarray(weights, np.float32)
-    margins = np.full(indices.shape[:3], np.inf, np.float32) if margins is None else np.asarray(margins, np.float32)
-    if weights.shape != indices.shape or margins.shape != indices.shape[:3]:
-        raise ValueError(f"{path}: weights {weights.shape} / margins {margins.shape} do not match indices "
-                         f"{indices.shape}")
-    return RoutingRecord(indices=indices, weights=weights, margins=margins), meta
-
-
-def validate_indices(indices, config):
-    """Check indices are integer [batch, seq, moe_layers, k] with values in -1..n_experts-1; returns int32."""
-    arr = np.asarray(indices)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"routing indices must be integers, got {arr.dtype}")
-    if arr.ndim != 4 or arr.shape[2] != config.n_moe_layers or arr.shape[3] != config.top_k:
-        raise ValueError(f"routing indices have shape {arr.shape}; expected [batch, seq, {config.n_moe_layers}, "
-                         f"{config.top_k}] = [batch, seq, moe_layers, k] for this model")
-    if arr.size and (arr.min() < -1 or arr.max() >= config.n_experts):
-        raise ValueError(f"routing indices span [{arr.min()}, {arr.max()}]; allowed: -1 (not routed) .. "
-                         f"{config.n_experts - 1}")
-    return arr.astype(np.int32)
+    try:
+        record = RoutingRecord(indices=tensors["indices"], weights=tensors.get("weights"),
+                               margins=tensors.get("margins"), index_positions=tensors.get("index_positions"),
+                               index_margins=tensors.get("index_margins")).validate(config)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return record, meta
 
 
 def from_slime(per_sequence, config, seq_len: int | None = None) -> RoutingRecord:
@@ -129,16 +99,12 @@ def from_slime(per_sequence, config, seq_len: int | None = None) -> RoutingRecor
         if a.shape[0] + 1 > width:
             raise ValueError(f"sequence {i} has {a.shape[0] + 1} tokens > seq_len {width}")
         out[i, : a.shape[0]] = a
-    indices = validate_indices(out, config)
-    return RoutingRecord(indices=indices, weights=np.zeros(indices.shape, np.float32),
-                         margins=np.full(indices.shape[:3], np.inf, np.float32))
+    return from_verl(out, config)
 
 
 def from_verl(indices, config) -> RoutingRecord:
     """Convert a verl record [batch, seq, moe_layers, k] (often int16) into a RoutingRecord."""
-    idx = validate_indices(indices, config)
-    return RoutingRecord(indices=idx, weights=np.zeros(idx.shape, np.float32),
-                         margins=np.full(idx.shape[:3], np.inf, np.float32))
+    return RoutingRecord(indices=indices, weights=None, margins=None).validate(config)
 
 
 def to_slime(record: RoutingRecord, lengths) -> list:

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxalign.align.replay import RoutingRecord
 from jaxalign.engine import kernels
 from jaxalign.engine.rollout import Rollout
 from jaxalign.model.sharding import mesh_context, mesh_description, put_batch, shard_state, to_host
@@ -136,16 +135,14 @@ class Engine:
         tokens = np.zeros((n, seq_len), np.int32)
         step_lp = np.zeros((n, seq_len), np.float32)  # entry p: logprob of the token at position p
         n_gen = np.zeros(n, np.int32)
-        routing = [np.zeros((n, seq_len, self.config.n_moe_layers, self.config.top_k), np.int32),
-                   np.zeros((n, seq_len, self.config.n_moe_layers, self.config.top_k), np.float32),
-                   np.zeros((n, seq_len, self.config.n_moe_layers), np.float32)]
+        routing = None  # the RoutingRecord [n, seq_len, ...], filled batch by batch
         slots = batch_size or n
         if schedule == "static":
             for first in range(0, n, slots):
                 rows = np.arange(first, min(first + slots, n))
                 pick = np.concatenate([rows, np.full(slots - len(rows), rows[0])])  # pad the last batch
                 with mesh_context(self.mesh):
-                    out_tok, out_lp, gen, bufs = kernels.run_static(
+                    out_tok, out_lp, gen, record = kernels.run_static(
                         self.graphdef, self.state, put(padded[pick]), put(lens[pick]), put(ids[pick]),
                         jnp.int32(seed), prefill_chunk=prefill_chunk, **static)
                 out_tok, out_lp, gen = to_host(out_tok), to_host(out_lp), to_host(gen)
@@ -155,18 +152,20 @@ class Engine:
                     tokens[i, lens[i]: lens[i] + gen[j]] = out_tok[j, : gen[j]]
                     step_lp[i, lens[i]: lens[i] + gen[j]] = out_lp[j, : gen[j]]
                 n_gen[rows] = gen[:k]
-                for dst, src in zip(routing, bufs):
-                    dst[rows] = to_host(src)[:k, :seq_len]
+                part = jax.tree.map(lambda a: to_host(a)[:k, :seq_len], record)
+                if routing is None:
+                    routing = jax.tree.map(lambda a: np.zeros((n,) + a.shape[1:], a.dtype), part)
+                for dst, src in zip(jax.tree.leaves(routing), jax.tree.leaves(part)):
+                    dst[rows] = src
         else:
             with mesh_context(self.mesh):
-                tok_buf, lp_buf, gen, bufs = kernels.run_continuous(
+                tok_buf, lp_buf, gen, record = kernels.run_continuous(
                     self.graphdef, self.state, put(padded), put(lens), put(ids), jnp.int32(seed), slots=slots,
                     **static)
             tokens[:] = to_host(tok_buf)[:, :seq_len]
             step_lp[:] = to_host(lp_buf)[:, :seq_len]
             n_gen[:] = to_host(gen)
-            for dst, src in zip(routing, bufs):
-                dst[:] = to_host(src)[:, :seq_len]
+            routing = jax.tree.map(lambda a: to_host(a)[:, :seq_len], record)
         elapsed = time.perf_counter() - start
         compiled = kernels.traces_in_this_thread() - traces_before
         self.compiles += compiled
@@ -178,7 +177,7 @@ class Engine:
         return Rollout(
             tokens=tokens, logprobs=np.where(in_completion, step_lp, 0.0)[:, 1:].astype(np.float32),
             mask=in_completion[:, 1:], prompt_lens=lens, completion_lens=n_gen, finish_reasons=reasons,
-            routing=RoutingRecord(indices=routing[0], weights=routing[1], margins=routing[2]), sampling=sampling,
+            routing=routing, sampling=sampling,
             stats={"schedule": schedule, "batch_size": slots, "policy": str(self.policy), "seconds": elapsed,
                    "mesh": mesh_description(self.mesh),
                    "new_tokens": int(n_gen.sum()), "compiles": compiled,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxalign.model.attention import empty_kv_cache
+from jaxalign.model.routing import RoutingRecord
 from jaxalign.numerics import NumericPolicy, dtype
 from jaxalign.numerics.sampling import SamplingParams, reported_logprobs, sampling_logprobs
 from jaxalign.numerics.select import argmax
@@ -37,20 +38,6 @@ def _empty_kv(cfg, batch: int, cache_len: int, policy: NumericPolicy):
     return [empty_kv_cache(cfg, batch, cache_len, dtype(policy.kv_cache_dtype)) for _ in range(cfg.n_layers)]
 
 
-def _empty_routing(cfg, rows: int, cache_len: int):
-    shape = (rows, cache_len, cfg.n_moe_layers, cfg.top_k)
-    return (jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32),
-            jnp.full(shape[:3], jnp.inf, jnp.float32))
-
-
-def _write_routing(buffers, record, rows, positions):
-    """Scatter a forward's routing [B, T, ...] into buffers [R, M, ...] at (rows [B, 1], positions [B, T])."""
-    idx, w, m = buffers
-    return (idx.at[rows, positions].set(record.indices, mode="drop"),
-            w.at[rows, positions].set(record.weights, mode="drop"),
-            m.at[rows, positions].set(record.margins, mode="drop"))
-
-
 def _sample(logits, request_ids, positions, seed, policy, sampling: SamplingParams):
     """One token per row from logits [B, V] and its reported logprob; the key of row b is
     (seed, request_ids[b], positions[b])."""
@@ -70,13 +57,10 @@ def _sample(logits, request_ids, positions, seed, policy, sampling: SamplingPara
     return token, jnp.take_along_axis(reported, token[:, None], axis=-1)[:, 0]
 
 
-def _finish(buffers, lens, n_gen):
+def _finish(routing: RoutingRecord, lens, n_gen) -> RoutingRecord:
     """Mask routing of positions never forwarded: the last generated token, and everything after it."""
-    idx, w, m = buffers
-    pos = jnp.arange(idx.shape[1])[None, :]
-    valid = pos < (lens + n_gen - 1)[:, None]
-    return (jnp.where(valid[..., None, None], idx, -1), jnp.where(valid[..., None, None], w, 0.0),
-            jnp.where(valid[..., None], m, jnp.inf))
+    pos = jnp.arange(routing.indices.shape[1])[None, :]
+    return routing.masked(pos < (lens + n_gen - 1)[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_new", "cache_len", "eos_id",
@@ -84,13 +68,13 @@ def _finish(buffers, lens, n_gen):
 def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max_new, cache_len, eos_id,
                sampling, prefill_chunk):
     """Generate for one static batch. prompts [B, P] right-padded, lens [B]. Returns
-    (tokens [B, max_new], logprobs [B, max_new], n_generated [B], routing buffers [B, cache_len, ...])."""
+    (tokens [B, max_new], logprobs [B, max_new], n_generated [B], RoutingRecord [B, cache_len, ...])."""
     _traced()
     model = nnx.merge(graphdef, state)
     cfg = model.config
     b, p = prompts.shape
     kv = _empty_kv(cfg, b, cache_len, policy)
-    routing = _empty_routing(cfg, b, cache_len)
+    routing = RoutingRecord.empty(cfg, b, cache_len)
     rows = jnp.arange(b)[:, None]
     chunk = prefill_chunk or p
     logits_parts = []
@@ -99,7 +83,7 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max
         positions = jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (b, stop - start))
         logits, record, kv = model.forward(prompts[:, start:stop], policy, positions=positions, kv=kv)
         logits_parts.append(logits)
-        routing = _write_routing(routing, record, rows, positions)
+        routing = routing.written(record, rows, positions)
     last = jnp.concatenate(logits_parts, axis=1)[jnp.arange(b), lens - 1]
     sample = functools.partial(_sample, seed=seed, policy=policy, sampling=sampling)
     tok0, lp0 = sample(last, request_ids, lens)
@@ -117,7 +101,7 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max
         step, out_tok, out_lp, n_gen, done, kv, routing = carry
         positions = (lens + step - 1)[:, None]
         logits, record, kv = model.forward(out_tok[:, step - 1][:, None], policy, positions=positions, kv=kv)
-        routing = _write_routing(routing, record, rows, positions)
+        routing = routing.written(record, rows, positions)
         tok, lp = sample(logits[:, 0], request_ids, lens + step)
         active = ~done
         out_tok = out_tok.at[:, step].set(jnp.where(active, tok, 0))
@@ -141,7 +125,7 @@ def run_continuous(graphdef, state, prompts, lens, request_ids, seed, *, policy,
     `slots` rows advance one token per step (a prompt token while a request is in prefill, its last sampled
     token after); a finished request's slot takes the next waiting request inside the loop, so the batch's
     composition changes from step to step. Returns (token buffer [R, cache_len], logprob buffer [R, cache_len]
-    (entry p = logprob of the token at position p), n_generated [R], routing buffers [R, cache_len, ...]).
+    (entry p = logprob of the token at position p), n_generated [R], RoutingRecord [R, cache_len, ...]).
     """
     _traced()
     model = nnx.merge(graphdef, state)
@@ -149,7 +133,7 @@ def run_continuous(graphdef, state, prompts, lens, request_ids, seed, *, policy,
     r, p = prompts.shape
     tok_buf = jnp.zeros((r, cache_len), jnp.int32).at[:, :p].set(prompts)
     lp_buf = jnp.zeros((r, cache_len), jnp.float32)
-    routing = _empty_routing(cfg, r, cache_len)
+    routing = RoutingRecord.empty(cfg, r, cache_len)
     kv = _empty_kv(cfg, slots, cache_len, policy)
     first = jnp.arange(slots, dtype=jnp.int32)
     slot_req = jnp.where(first < r, first, -1)
@@ -167,7 +151,7 @@ def run_continuous(graphdef, state, prompts, lens, request_ids, seed, *, policy,
         target = jnp.where(active, req, r)[:, None]  # row r is out of range: writes dropped
         tokens = tok_buf[req, slot_pos][:, None]
         logits, record, kv = model.forward(tokens, policy, positions=slot_pos[:, None], kv=kv)
-        routing = _write_routing(routing, record, target, slot_pos[:, None])
+        routing = routing.written(record, target, slot_pos[:, None])
         emitting = active & (slot_pos >= lens[req] - 1)
         tok, lp = _sample(logits[:, 0], request_ids[req], slot_pos + 1, seed, policy, sampling)
         write = jnp.where(emitting, req, r)

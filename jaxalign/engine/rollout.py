@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxalign.align.replay import RoutingRecord
+from jaxalign.model.routing import RoutingRecord
 from jaxalign.numerics.sampling import SamplingParams
 
 
@@ -20,7 +20,8 @@ class Rollout:
     - `mask` bool [R, S-1]: completion tokens.
     - `prompt_lens`, `completion_lens` int [R]; `finish_reasons` list of "eos" | "length".
     - `routing`: RoutingRecord [R, S, moe_layers, k] of every forwarded token (the prompt and all but the last
-      completion token); -1 elsewhere.
+      completion token); -1 elsewhere. Its `weights` are the engine's combine weights (f32) and, for a DSA model,
+      `index_positions` [R, S, layers, index_topk] the keys the engine's indexer chose (what index replay replays).
     - `sampling`: the `SamplingParams` the tokens were drawn with (and that says which logprob `logprobs` holds);
       scoring the rollout on the trainer side reads it from here.
     - `stats`: engine facts (schedule, batch size, compiles, seconds).
@@ -59,7 +60,5 @@ class Rollout:
         return Rollout(tokens=self.tokens[rows], logprobs=self.logprobs[rows], mask=self.mask[rows],
                        prompt_lens=self.prompt_lens[rows], completion_lens=self.completion_lens[rows],
                        finish_reasons=[self.finish_reasons[i] for i in rows],
-                       routing=RoutingRecord(indices=np.asarray(self.routing.indices)[rows],
-                                             weights=np.asarray(self.routing.weights)[rows],
-                                             margins=np.asarray(self.routing.margins)[rows]),
+                       routing=self.routing.rows(rows),
                        sampling=self.sampling, stats=dict(self.stats))

@@ -27,12 +27,14 @@ def _group_limited(select: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelConfig, policy: NumericPolicy,
-          replay: jax.Array | None = None):
+          replay: jax.Array | None = None, replay_weights: jax.Array | None = None):
     """Choose experts for x [N, D].
 
     Returns (idx [N, k] int32 in top-k slot order, weights [N, k] float, margin [N] float). With `replay`
-    [N, k], a token whose row has no -1 uses the replayed indices; its gate weights are gathered from this
-    pass's dense scores and then normalised as the family does, so router gradients flow.
+    [N, k] (R3), a token whose row has no -1 uses the replayed indices; its gate weights are gathered from this
+    pass's dense scores and then normalised as the family does, so router gradients flow. With `replay_weights`
+    [N, k] as well (R3w), those tokens combine with the recorded weights instead (cast to this pass's weight
+    dtype), held constant: no gradient reaches the router through them.
     """
     # router parameters are stored in the router dtype (GLM-4.5 / DeepSeek-V3 keep them in f32 in a bf16 model)
     logits = matmul(x, cast(router_w, policy.router_logits_dtype), policy, operand_dtype=policy.router_logits_dtype,
@@ -59,6 +61,9 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
     weights = normalize_gate_weights(weights, policy, renormalize=cfg.norm_topk_prob,
                                      epsilon=1e-20 if sigmoid_router else None,
                                      scale=cfg.routed_scaling_factor if sigmoid_router else None)
+    if replay is not None and replay_weights is not None:
+        recorded = jax.lax.stop_gradient(replay_weights.astype(weights.dtype))
+        weights = jnp.where(use_replay, recorded, weights)
     return idx, weights, margin
 
 
@@ -77,13 +82,16 @@ class MoE(nnx.Module):
         self.shared = DenseMLP(d, cfg.shared_expert_dim, rngs=rngs) if cfg.shared_expert_dim > 0 else None
         self.shared_gate = Linear(d, 1, ("embed", "unsharded"), rngs=rngs) if cfg.shared_expert_gate else None
 
-    def __call__(self, x: jax.Array, policy: NumericPolicy, replay: jax.Array | None = None):
-        """x [B, S, D]; replay [B, S, k] or None. Returns (out [B, S, D], (idx, weights, margin) per token)."""
+    def __call__(self, x: jax.Array, policy: NumericPolicy, replay: jax.Array | None = None,
+                 replay_weights: jax.Array | None = None):
+        """x [B, S, D]; replay [B, S, k] or None (and with it optionally replay_weights [B, S, k], see `route`).
+        Returns (out [B, S, D], (idx, weights, margin) per token)."""
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
         bias = self.selection_bias[...] if self.selection_bias is not None else None
         idx, weights, margin = route(flat, self.router[...], bias, self.cfg, policy,
-                                     None if replay is None else replay.reshape(b * s, -1))
+                                     None if replay is None else replay.reshape(b * s, -1),
+                                     None if replay_weights is None else replay_weights.reshape(b * s, -1))
         y, kept = dispatch(flat, idx, as_param(self.w_gate[...], policy), as_param(self.w_up[...], policy),
                            as_param(self.w_down[...], policy), policy)
         out = combine(y, idx, jnp.where(kept, weights, jnp.zeros_like(weights)), self.cfg.n_experts, policy)

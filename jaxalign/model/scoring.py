@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxalign.align.replay import RoutingRecord
+from jaxalign.model.routing import (RoutingRecord, check_expert_indices, check_index_positions,
+                                    check_replay_weights)
 from jaxalign.model.sharding import mesh_context, put_batch, shard_state
 from jaxalign.model.transformer import Transformer, check_tokens
 from jaxalign.numerics import NumericPolicy
@@ -19,10 +20,12 @@ from jaxalign.numerics.schedule import PolicySchedule, policy_for
 
 def sequence_logprobs(model: Transformer, tokens: jax.Array, policy: NumericPolicy, *, replay=None,
                       sampling: SamplingParams | None = None, temperature: float | None = None,
-                      top_k: int | None = None, top_p: float | None = None, index_replay=None):
+                      top_k: int | None = None, top_p: float | None = None, index_replay=None,
+                      replay_weights=None):
     """Traceable core of `token_logprobs` (use inside jit/grad): (logprobs [B, S-1], RoutingRecord)."""
     sampling = SamplingParams.from_args(sampling, temperature, top_k, top_p)
-    logits, record = model(tokens, policy=policy, replay=replay, index_replay=index_replay)
+    logits, record = model(tokens, policy=policy, replay=replay, index_replay=index_replay,
+                           replay_weights=replay_weights)
     lp = reported_logprobs(logits[:, :-1], policy_for(policy, "head"), sampling)
 
     return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], record
@@ -46,23 +49,25 @@ def forward(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, 
     arr = check_tokens(tokens, model.config)
     graphdef, state = on_mesh(model, mesh)
     replay_idx = replay.indices if isinstance(replay, RoutingRecord) else replay
+    if replay_idx is not None:
+        replay_idx = check_expert_indices(replay_idx, model.config, *arr.shape)
     with mesh_context(mesh):
         return _forward(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh),
-                        None if replay_idx is None else put_batch(np.asarray(replay_idx, np.int32), mesh),
+                        None if replay_idx is None else put_batch(replay_idx, mesh),
                         policy=policy)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy", "sampling"))
-def _jitted(graphdef, state, tokens, replay, index_replay, *, policy, sampling):
+def _jitted(graphdef, state, tokens, replay, index_replay, replay_weights, *, policy, sampling):
     return sequence_logprobs(nnx.merge(graphdef, state), tokens, policy, replay=replay, sampling=sampling,
-                             index_replay=index_replay)
+                             index_replay=index_replay, replay_weights=replay_weights)
 
 
 def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, *,
                    replay: RoutingRecord | jax.Array | None = None, sampling: SamplingParams | None = None,
                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                    mesh: jax.sharding.Mesh | None = None,
-                   index_replay=None) -> tuple[jax.Array, RoutingRecord]:
+                   index_replay=None, replay_weights=None) -> tuple[jax.Array, RoutingRecord]:
 
     """Logprob of each next token, [batch, seq-1], and the routing record of the forward pass.
 
@@ -73,6 +78,8 @@ def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySch
     `mesh`: run sharded on it (parameters and batch split as `model/sharding.py` says).
     `index_replay` (DSA models): key positions [batch, seq, layers, index_topk] each query attends to (index
     replay; a row whose first entry is -1 keeps the trainer's own selection).
+    `replay_weights` (with `replay`; R3w): combine weights [batch, seq, moe_layers, k] used as constants for the
+    replayed tokens, e.g. `rollout.routing.weights` (the engine's); see docs/router-replay.md.
     """
     if not isinstance(policy, (NumericPolicy, PolicySchedule)):
         raise ValueError(f"policy must be a NumericPolicy (or PolicySchedule), got {type(policy).__name__}; "
@@ -81,26 +88,16 @@ def token_logprobs(model: Transformer, tokens, policy: NumericPolicy | PolicySch
     arr = check_tokens(tokens, model.config)
     if arr.shape[1] < 2:
         raise ValueError(f"tokens need at least 2 positions to score a next token, got length {arr.shape[1]}")
+    cfg = model.config
     replay_idx = replay.indices if isinstance(replay, RoutingRecord) else replay
     if replay_idx is not None:
-        cfg = model.config
-        expected = (arr.shape[0], arr.shape[1], cfg.n_moe_layers, cfg.top_k)
-        if tuple(np.shape(replay_idx)) != expected:
-            raise ValueError(f"replay indices have shape {tuple(np.shape(replay_idx))}; expected {expected} "
-                             f"= [batch, seq, moe_layers, k]")
-        if int(np.max(replay_idx)) >= cfg.n_experts:
-            raise ValueError(f"replay indices reach {int(np.max(replay_idx))}; allowed: -1..{cfg.n_experts - 1}")
-        replay_idx = put_batch(np.asarray(replay_idx, np.int32), mesh)
+        replay_idx = put_batch(check_expert_indices(replay_idx, cfg, *arr.shape), mesh)
+    if replay_weights is not None:
+        replay_weights = put_batch(check_replay_weights(replay_weights, replay_idx), mesh)
     if index_replay is not None:
-        cfg = model.config
-        expected = (arr.shape[0], arr.shape[1], cfg.n_layers, cfg.index_topk)
-        if not cfg.index_topk or tuple(np.shape(index_replay)) != expected:
-            raise ValueError(f"index_replay has shape {tuple(np.shape(index_replay))}; expected "
-                             f"{expected if cfg.index_topk else 'none (this model has no DSA indexer)'}"
-                             f" = [batch, seq, layers, index_topk]")
-        index_replay = put_batch(np.asarray(index_replay, np.int32), mesh)
+        index_replay = put_batch(check_index_positions(index_replay, cfg, *arr.shape), mesh)
     graphdef, state = on_mesh(model, mesh)
     with mesh_context(mesh):
         return _jitted(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh), replay_idx, index_replay,
-                       policy=policy, sampling=sampling)
+                       replay_weights, policy=policy, sampling=sampling)
 

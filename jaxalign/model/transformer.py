@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxalign.align.replay import RoutingRecord
 from jaxalign.model.attention import Attention
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Embedding, Linear, RMSNorm
 from jaxalign.model.mla import MLAttention
 from jaxalign.model.moe import MoE
+from jaxalign.model.routing import (RoutingRecord, check_expert_indices, check_index_positions,
+                                    check_replay_weights)
 from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, as_compute, as_param
 from jaxalign.numerics.schedule import PolicySchedule, policy_for
@@ -33,7 +34,8 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if moe else DenseMLP(cfg.d_model, cfg.dense_mlp_dim, rngs=rngs)
         self.is_moe = moe
 
-    def __call__(self, x, positions, policy, kv=None, replay=None, layer: int = 0, index_replay=None):
+    def __call__(self, x, positions, policy, kv=None, replay=None, layer: int = 0, index_replay=None,
+                 replay_weights=None):
         attn_policy, mlp_policy = policy_for(policy, "attn", layer), policy_for(policy, "mlp", layer)
         x = as_compute(x, attn_policy)  # a no-op unless a PolicySchedule changes dtype between parts
         selection = None
@@ -44,7 +46,7 @@ class Block(nnx.Module):
         x = x + h
         routing = None
         if self.is_moe:
-            h, routing = self.mlp(self.mlp_norm(x, mlp_policy), mlp_policy, replay)
+            h, routing = self.mlp(self.mlp_norm(x, mlp_policy), mlp_policy, replay, replay_weights)
         else:
             h = self.mlp(self.mlp_norm(x, mlp_policy), mlp_policy)
         return x + h, kv, routing, selection
@@ -83,18 +85,21 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, *, policy: NumericPolicy | PolicySchedule,
                  positions: jax.Array | None = None,
                  replay: RoutingRecord | jax.Array | None = None,
-                 index_replay: jax.Array | None = None) -> tuple[jax.Array, RoutingRecord]:
-        """Full (teacher-forced) forward. `replay`: a RoutingRecord or indices [B, S, moe_layers, k].
+                 index_replay: jax.Array | None = None,
+                 replay_weights: jax.Array | None = None) -> tuple[jax.Array, RoutingRecord]:
+        """Full (teacher-forced) forward. `replay`: a RoutingRecord or indices [B, S, moe_layers, k] (R3: the
+        expert ids; the combine weights are recomputed). `replay_weights` [B, S, moe_layers, k] (with `replay`;
+        R3w): combine weights used as constants for the replayed tokens.
         `index_replay` (DSA models): key positions [B, S, layers, index_topk] each query attends to.
         `policy` may be a PolicySchedule giving parts of the model other policies."""
         if not isinstance(tokens, jax.core.Tracer):
             check_tokens(tokens, self.config)
         logits, routing, _ = self.forward(tokens, policy, positions=positions, replay=replay,
-                                          index_replay=index_replay)
+                                          index_replay=index_replay, replay_weights=replay_weights)
         return logits, routing
 
     def forward(self, tokens, policy: NumericPolicy, *, positions=None, kv: list[KV] | None = None,
-                replay=None, index_replay=None):
+                replay=None, index_replay=None, replay_weights=None):
         """Forward with an optional per-layer KV cache. Returns (logits, RoutingRecord, new kv or None); under
         DSA the record carries the indexer's selections (`index_positions`, `index_margins`)."""
         cfg = self.config
@@ -103,26 +108,23 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         replay_idx = replay.indices if isinstance(replay, RoutingRecord) else replay
-        if replay_idx is not None and tuple(replay_idx.shape) != (b, s, cfg.n_moe_layers, cfg.top_k):
-            raise ValueError(f"replay indices have shape {tuple(replay_idx.shape)}; expected "
-                             f"{(b, s, cfg.n_moe_layers, cfg.top_k)} = [batch, seq, moe_layers, k]")
+        if replay_idx is not None:
+            check_expert_indices(replay_idx, cfg, b, s)
+        if replay_weights is not None:
+            check_replay_weights(replay_weights, replay_idx)
         if index_replay is not None:
-            if not cfg.index_topk:
-                raise ValueError("index_replay given, but this model has no DSA indexer (index_topk = 0)")
-            expected = (b, s, cfg.n_layers, cfg.index_topk)
-            if tuple(index_replay.shape) != expected:
-                raise ValueError(f"index_replay has shape {tuple(index_replay.shape)}; expected {expected} = "
-                                 f"[batch, seq, layers, index_topk]")
+            check_index_positions(index_replay, cfg, b, s)
         x = constrain(self.embed(tokens, policy_for(policy, "embed")), ACTIVATION)
         new_kv, records, selections = [], [], []
         for i, block in enumerate(self.blocks):
-            layer_replay = None
+            layer_replay = layer_weights = None
             if block.is_moe and replay_idx is not None:
                 layer_replay = replay_idx[:, :, len(records)]
+                layer_weights = None if replay_weights is None else replay_weights[:, :, len(records)]
             layer_kv = None if kv is None else kv[i]
             layer_index = None if index_replay is None else index_replay[:, :, i]
             x, layer_kv, routing, selection = block(x, positions, policy, layer_kv, layer_replay, layer=i,
-                                                    index_replay=layer_index)
+                                                    index_replay=layer_index, replay_weights=layer_weights)
             x = constrain(x, ACTIVATION)
             new_kv.append(layer_kv)
             if routing is not None:

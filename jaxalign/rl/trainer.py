@@ -42,7 +42,7 @@ from jaxalign.numerics.collectives import replicate
 from jaxalign.numerics.optimizer import adamw
 from jaxalign.numerics.reduce import global_norm
 from jaxalign.rl import rundir, tokenizer
-from jaxalign.replay_modes import REPLAY_MODES, check_replay
+from jaxalign.replay_modes import REPLAY_MODES, check_replay, replay_parts
 from jaxalign.rl.correction import BYPASS, DECOUPLED, MODES, CorrectionConfig, correct
 from jaxalign.rl.grpo import GRPOConfig, group_advantages, policy_loss
 from jaxalign.rl.task import PROMPT_WIDTH, CountdownTask, Task  # noqa: F401  (PROMPT_WIDTH: used by sft)
@@ -156,8 +156,9 @@ class TrainBatch(NamedTuple):
 
     `logp_old` is the PPO ratio's denominator (the trainer's old-policy logprobs, or the engine's in bypass mode);
     `weights` the rollout-correction IS weights and `mask` the accepted completion tokens; `replay` the routing
-    the trainer's forward pass replays (None: its own router); `logp_ref` the frozen reference's logprobs for the
-    KL penalty (None without one)."""
+    the trainer's forward pass replays (None: its own router), `replay_weights` the engine's combine weights
+    (r3w), `index_replay` the engine's DSA index selections (+index); `logp_ref` the frozen reference's logprobs
+    for the KL penalty (None without one)."""
 
     tokens: np.ndarray
     logp_old: np.ndarray
@@ -166,6 +167,8 @@ class TrainBatch(NamedTuple):
     mask: np.ndarray
     replay: np.ndarray | None = None
     logp_ref: np.ndarray | None = None
+    replay_weights: np.ndarray | None = None
+    index_replay: np.ndarray | None = None
 
 
 def make_update(graphdef, policy: NumericPolicy, optimizer: optax.GradientTransformation, config: RLConfig):
@@ -177,7 +180,8 @@ def make_update(graphdef, policy: NumericPolicy, optimizer: optax.GradientTransf
     def update(params, opt_state, batch: TrainBatch):
         def loss_fn(p):
             lp, _ = sequence_logprobs(nnx.merge(graphdef, p), batch.tokens, policy, replay=batch.replay,
-                                      temperature=config.temperature)
+                                      temperature=config.temperature, replay_weights=batch.replay_weights,
+                                      index_replay=batch.index_replay)
             per_token = (lp, batch.logp_old, batch.advantages, batch.weights, batch.mask, batch.logp_ref)
             if ordered:  # the loss sums over the whole batch: on one device, in the one-device order
                 per_token = replicate(per_token)
@@ -307,10 +311,19 @@ class Trainer:
         logp_rollout = pad_to(rollout.logprobs, self.width - 1, 1, 0.0)
         mask = pad_to(rollout.mask, self.width - 1, 1, False)
         engine_routes = pad_to(np.asarray(rollout.routing.indices), self.width, 1, -1)
+        expert_replay, with_index = replay_parts(cfg.replay)
+        replay_kw = {"replay_weights": None, "index_replay": None}
+        if expert_replay == "r3w":
+            replay_kw["replay_weights"] = pad_to(np.asarray(rollout.routing.weights), self.width, 1, 0.0)
+        if with_index:
+            if rollout.routing.index_positions is None:
+                raise ValueError(f"replay = {cfg.replay!r} replays DSA index selections; this model has none")
+            replay_kw["index_replay"] = pad_to(np.asarray(rollout.routing.index_positions), self.width, 1, -1)
+        engine_experts = engine_routes if expert_replay in ("r3", "r3w") else None
         lp_old, old_record = token_logprobs(self.model, tokens, self.trainer_policy, temperature=cfg.temperature,
-                                            replay=engine_routes if cfg.replay == "r3" else None, mesh=self.mesh)
+                                            replay=engine_experts, mesh=self.mesh, **replay_kw)
         lp_old, old_indices = to_host(lp_old), to_host(old_record.indices)
-        replay = {"none": None, "r3": engine_routes, "r2": old_indices}[cfg.replay]
+        replay = {"none": None, "r3": engine_routes, "r3w": engine_routes, "r2": old_indices}[expert_replay]
         logp_behaviour = logp_rollout if cfg.mode == BYPASS else lp_old  # the PPO ratio's denominator
         weights, accept, corr_metrics = correct(lp_old, logp_rollout, mask, cfg.correction)
         if cfg.mode == BYPASS:
@@ -318,12 +331,13 @@ class Trainer:
         logp_ref = None
         if self.reference is not None:
             logp_ref = to_host(token_logprobs(self.reference, tokens, self.trainer_policy,
-                                              temperature=cfg.temperature, replay=replay, mesh=self.mesh)[0])
+                                              temperature=cfg.temperature, replay=replay, mesh=self.mesh,
+                                              **replay_kw)[0])
         forwarded = (engine_routes >= 0).all(-1).all(-1)
         flips = routing_metrics(engine_routes, old_indices, valid=forwarded)
         batch = TrainBatch(tokens=tokens, logp_old=np.asarray(logp_behaviour, np.float32),
                            advantages=np.asarray(advantages), weights=np.asarray(weights), mask=np.asarray(accept),
-                           replay=replay, logp_ref=logp_ref)
+                           replay=replay, logp_ref=logp_ref, **replay_kw)
         metrics = {"reward_mean": float(rewards.mean()), "reward_correct_fraction": float((rewards == 1.0).mean()),
                    "response_length": float(rollout.completion_lens.mean()), **corr_metrics,
                    "route_flip_rate": flips["route_flip_rate"],
