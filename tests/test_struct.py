@@ -28,16 +28,17 @@ def _choices(parser, *command):
 
 
 def test_replay_modes_are_defined_once():
-    assert REPLAY_MODES == ("none", "r2", "r3") and ENGINE_REPLAY_MODES == ("none", "r3")
+    assert REPLAY_MODES == ("none", "r2", "r3", "r3w", "index", "r3+index", "r3w+index")
+    assert ENGINE_REPLAY_MODES == ("none", "r3")
     parser = cli.make_parser()
     assert tuple(_choices(parser, "compare")["replay"].choices) == REPLAY_MODES
     assert tuple(_choices(parser, "check")["replay"].choices) == REPLAY_MODES
     assert tuple(_choices(parser, "localize")["replay"].choices) == ENGINE_REPLAY_MODES
-    with pytest.raises(ValueError, match=r"replay = 'r4'; allowed: none, r2, r3"):
+    with pytest.raises(ValueError, match=r"replay = 'r4'; allowed: none, r2, r3, r3w, index, r3\+index, r3w\+index"):
         check_replay("r4")
     with pytest.raises(ValueError, match=r"replay = 'r2'; allowed: none, r3"):
         check_replay("r2", ENGINE_REPLAY_MODES)
-    with pytest.raises(ValueError, match=r"replay = 'r4'; allowed: none, r2, r3"):
+    with pytest.raises(ValueError, match=r"replay = 'r4'; allowed: none, r2, r3, r3w, index"):
         score_rollout(None, None, NumericPolicy(), replay="r4")  # refused before anything runs
     with pytest.raises(ValueError, match=r"replay = 'r4'"):
         RLConfig(replay="r4")

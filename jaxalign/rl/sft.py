@@ -40,8 +40,13 @@ class SFTConfig:
     answers: str = "solution"  # or "random": well-formed expressions over the numbers, right only by chance
 
     def __post_init__(self):
+        object.__setattr__(self, "policy", NumericPolicy.coerce(self.policy, label="SFTConfig.policy"))
         if self.answers not in ANSWERS:
             raise ValueError(f"SFTConfig.answers = {self.answers!r}; allowed: {', '.join(ANSWERS)}")
+
+    def to_dict(self) -> dict:
+        """JSON-ready form; the policy as compact text (`NumericPolicy.compact`)."""
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "policy": self.policy.compact()}
 
 
 ANSWERS = ("solution", "random")
@@ -56,13 +61,6 @@ def random_expression(numbers, rng: np.random.Generator) -> str:
         joined = f"({parts[i]}{'+-*/'[rng.integers(4)]}{parts[j]})"
         parts = [p for k, p in enumerate(parts) if k not in (i, j)] + [joined]
     return parts[0][1:-1] if parts[0].startswith("(") else parts[0]
-
-    def __post_init__(self):
-        object.__setattr__(self, "policy", NumericPolicy.coerce(self.policy, label="SFTConfig.policy"))
-
-    def to_dict(self) -> dict:
-        """JSON-ready form; the policy as compact text (`NumericPolicy.compact`)."""
-        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "policy": self.policy.compact()}
 
 
 def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
