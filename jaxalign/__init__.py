@@ -10,7 +10,8 @@ The public API, by role:
   `jaxalign.runtime` (process state: XLA flags).
 """
 
-from jaxalign.runtime import EXACT_LOW_PRECISION  # noqa: F401  (sets XLA_FLAGS before any JAX computation)
+# set XLA_FLAGS before any JAX computation
+from jaxalign.runtime import EXACT_ELEMENTWISE, EXACT_LOW_PRECISION  # noqa: F401
 
 from jaxalign import interop  # noqa: E402  (so `jaxalign.interop.hf` works after `import jaxalign`)
 from jaxalign.align.compare import compare  # noqa: E402
@@ -27,6 +28,6 @@ from jaxalign.numerics.schedule import PolicySchedule  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["EXACT_LOW_PRECISION", "Engine", "ModelConfig", "NumericPolicy", "PRESETS", "PolicySchedule", "Rollout",
+__all__ = ["EXACT_ELEMENTWISE", "EXACT_LOW_PRECISION", "Engine", "ModelConfig", "NumericPolicy", "PRESETS", "PolicySchedule", "Rollout",
            "RoutingRecord", "SamplingParams", "Transformer", "compare", "generate", "localize", "make_mesh", "mismatch_metrics",
            "routing_metrics", "sequence_logprobs", "token_logprobs", "__version__"]

@@ -12,18 +12,30 @@ computation:
   a policy's dtype means the same thing in every program (tests/test_alignment.py shows the difference). A user
   who forces excess precision on keeps it, but a policy that promises bitwise agreement is then refused
   (`require_exact_rounding`) instead of silently breaking its promise.
+- **No YNNPACK reduce fusions** (`--xla_cpu_experimental_ynn_fusion_type=-reduce`, set when `jaxalign` is
+  imported). XLA:CPU hands a reduce and the elementwise ops around it (a softmax's max, subtract and exp) to a
+  YNNPACK kernel once the array is large enough (on a 2-core Xeon: from ~7k float32 elements, e.g. a [912, 8]
+  router softmax, not at [304, 8]), and YNNPACK's exp is not XLA's: about one value in 40 came out one float32
+  ulp apart. So the trainer's full forward over 256 x 38 tokens computed the router softmax with YNNPACK and
+  the engine's 256-row decode step with XLA's own exp -- the same logits, different gate weights (found in an
+  aligned RL run: one step in 60 had KL 2e-6). With the flag, every program keeps XLA's own elementwise code.
+  A user who sets the flag to something that keeps reduce fusions keeps it, and a bitwise-promising policy is
+  then refused (`require_exact_rounding`).
 - **Fake CPU devices** for meshes on one host (`configure(host_devices=N)`, the CLI's `--host-devices`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.schedule import PolicySchedule
 
 EXCESS_PRECISION_OFF = "--xla_allow_excess_precision=false"
+YNN_FUSION_FLAG = "xla_cpu_experimental_ynn_fusion_type"
+YNN_REDUCE_OFF = f"--{YNN_FUSION_FLAG}=-reduce"
 _HOST_DEVICES = "xla_force_host_platform_device_count"
 
 
@@ -60,6 +72,40 @@ def disable_excess_precision() -> bool:
 EXACT_LOW_PRECISION = disable_excess_precision()  # run on import: before any JAX computation
 
 
+def _ynn_reduce_enabled(flags: str) -> bool:
+    """Whether XLA_FLAGS text `flags` leaves XLA:CPU's YNNPACK reduce fusions on (on by default): the last
+    `--xla_cpu_experimental_ynn_fusion_type` wins; a signed list ('+a,-b') edits the default, a plain one
+    replaces it."""
+    values = re.findall(rf"--{YNN_FUSION_FLAG}=(\S*)", flags)
+    if not values:
+        return True
+    items = [v for v in values[-1].split(",") if v]
+    if items and all(v[0] in "+-" for v in items):
+        signed = [v for v in items if v[1:] == "reduce"]
+        return not signed or signed[-1] == "+reduce"
+    return "reduce" in items
+
+
+def disable_ynn_reduce_fusion() -> bool:
+    """Add YNN_REDUCE_OFF to XLA_FLAGS unless the user set `xla_cpu_experimental_ynn_fusion_type` themselves.
+
+    Returns True when no YNNPACK reduce fusion will run in this process (see the module docstring)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if YNN_FUSION_FLAG in flags:
+        return not _ynn_reduce_enabled(flags)
+    if backend_started():
+        warnings.warn("jaxalign was imported after JAX started its backend without "
+                      f"XLA_FLAGS={YNN_REDUCE_OFF}; large softmaxes may then run YNNPACK's exp in some programs and "
+                      "XLA's in others. Import jaxalign (or set XLA_FLAGS) before the first JAX computation.",
+                      stacklevel=3)
+        return False
+    _append_flag(YNN_REDUCE_OFF)
+    return True
+
+
+EXACT_ELEMENTWISE = disable_ynn_reduce_fusion()  # run on import: before any JAX computation
+
+
 def promises_bitwise(policy: NumericPolicy) -> bool:
     """A policy made to give the same bits in every program (aligned presets): batch-invariant kernels and
     fixed-order reductions."""
@@ -68,7 +114,8 @@ def promises_bitwise(policy: NumericPolicy) -> bool:
 
 def require_exact_rounding(policy: NumericPolicy | PolicySchedule) -> None:
     """Refuse a bitwise-promising bf16/f16 policy (or a schedule holding one) in a process where XLA may keep
-    excess precision: its trainer == engine promise would silently not hold (see the module docstring)."""
+    excess precision, and any bitwise-promising policy where YNNPACK reduce fusions are on: its trainer == engine
+    promise would silently not hold (see the module docstring)."""
     if isinstance(policy, PolicySchedule):
         for part_policy in (policy.default, *(p for _, p in policy.rules)):
             require_exact_rounding(part_policy)
@@ -80,6 +127,14 @@ def require_exact_rounding(policy: NumericPolicy | PolicySchedule) -> None:
             f"imported), so bf16/f16 ops round only at fusion boundaries that differ between programs. Allowed: "
             f"drop xla_allow_excess_precision from XLA_FLAGS (jaxalign sets {EXCESS_PRECISION_OFF}) and import "
             f"jaxalign before the first JAX computation, or use a policy with kernel=xla / reduce=xla.")
+    if not EXACT_ELEMENTWISE and promises_bitwise(policy):
+        raise ValueError(
+            f"policy {policy} promises bitwise agreement between programs, but this process lets XLA:CPU hand large "
+            f"reductions and the elementwise ops around them to YNNPACK (XLA_FLAGS="
+            f"{os.environ.get('XLA_FLAGS', '')!r}, or JAX started before jaxalign was imported), whose exp rounds "
+            f"differently from XLA's, so a softmax's bits depend on the batch. Allowed: drop {YNN_FUSION_FLAG} "
+            f"from XLA_FLAGS or make it exclude reduce (jaxalign sets {YNN_REDUCE_OFF}) and import jaxalign before "
+            f"the first JAX computation, or use a policy with kernel=xla / reduce=xla.")
 
 
 def configure(*, host_devices: int | None = None) -> None:
