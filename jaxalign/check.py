@@ -33,7 +33,9 @@ from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy, kernels as kernel_choice
 from jaxalign.numerics.attention import attention
 from jaxalign.numerics.dtypes import as_compute, cast
+from jaxalign.numerics.indexer import index_scores, select_keys
 from jaxalign.numerics.matmul import matmul
+from jaxalign.numerics.mla import mla_attention
 from jaxalign.numerics.precision import check_backend
 from jaxalign.numerics.reduce import rms_norm, softmax
 
@@ -41,6 +43,7 @@ CHECK_MODEL = "tiny"  # what `jaxalign check` validates by default: a tiny model
 CHECK_PAIR = {"trainer": "aligned-bf16", "engine": "aligned-bf16"}
 THRESHOLD_K3 = 1e-3
 THRESHOLD_ROUTE_FLIPS = 0.0
+THRESHOLD_INDEX_FLIPS = 0.0
 PROBE_BATCHES = (1, 2, 3, 8, 13, 32)
 ENGINE_BATCHES = (1, 8, 32)
 TRAINER_PROGRAMS = ("forward", "gradient")
@@ -83,8 +86,58 @@ def claims_alignment(trainer: NumericPolicy, engine: NumericPolicy) -> bool:
     return trainer == engine and batch_invariant(trainer)
 
 
+def _split_rows(x: jax.Array, shapes: tuple[tuple[int, ...], ...]) -> list[jax.Array]:
+    """Rows x [B, sum of sizes] cut into one [B, *shape] piece per shape (a probe row holds every operand)."""
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    pieces = jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=1)
+    return [piece.reshape(x.shape[0], *shape) for piece, shape in zip(pieces, shapes)]
+
+
+def _latent_attention_kernels(cfg, policy: NumericPolicy, rng, q_len: int, k_len: int) -> dict[str, tuple]:
+    """MLA (and, with a DSA indexer, its scores and the sparse attention) as the model calls them: queries in the
+    compute dtype, the latent cache [B, 1, R + r, K] in the kv-cache dtype, kv_b_proj's f32 master shared by
+    every row, attention in the policy's `mla` form over the keys the indexer selected."""
+    h, nope, r, latent = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    w_kv_b = jnp.asarray(rng.normal(0, latent ** -0.5, (latent, h * (nope + cfg.v_head_dim))), jnp.float32)
+    q_pos = jnp.arange(k_len - q_len, k_len)[None]
+    k_pos = jnp.arange(k_len)[None]
+    attn_shapes = ((q_len, h, nope + r), (1, latent + r, k_len))
+    index_shapes = ((q_len, cfg.index_n_heads, cfg.index_head_dim), (k_len, cfg.index_head_dim),
+                    (q_len, cfg.index_n_heads))
+
+    def scores_of(index_q, index_k, weights, b):
+        return index_scores(as_compute(index_q, policy), cast(index_k, policy.kv_cache_dtype), weights,
+                            jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy)
+
+    def attn(x):
+        b = x.shape[0]
+        q, cache, *index = _split_rows(x, attn_shapes + (index_shapes if cfg.index_topk else ()))
+        allowed = None
+        if cfg.index_topk:
+            allowed = select_keys(scores_of(*index, b), jnp.repeat(k_pos, b, 0), cfg.index_topk)[1]
+        return mla_attention(as_compute(q, policy), cast(cache, policy.kv_cache_dtype), w_kv_b,
+                             jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy, nope_dim=nope,
+                             v_dim=cfg.v_head_dim, allowed=allowed)
+
+    def width(shapes):
+        return sum(int(np.prod(shape)) for shape in shapes)
+
+    def rows(n):
+        return lambda b, seed: jnp.asarray(np.random.default_rng(seed).normal(0, 1, (b, n)), jnp.float32)
+
+    found = {"mla_attention": (rows(width(attn_shapes) + (width(index_shapes) if cfg.index_topk else 0)), attn)}
+    if cfg.index_topk:
+        def scores(x):
+            s = scores_of(*_split_rows(x, index_shapes), x.shape[0])
+            return jnp.where(jnp.isfinite(s), s, 0.0)  # invisible keys (-inf) compare as 0
+        found["index_scores"] = (rows(width(index_shapes)), scores)
+    return found
+
+
 def _kernels(cfg, policy: NumericPolicy) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (make a batch of `b` random rows, the kernel on that batch) at the model's sizes."""
+    """name -> (make a batch of `b` random rows, the kernel on that batch) at the model's sizes. An MLA model's
+    attention probe is `mla_attention` (with a DSA indexer also `index_scores`, and the attention over the keys
+    it selects) instead of the GQA `attention`."""
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(0, cfg.d_model ** -0.5, (cfg.d_model, cfg.vocab_size)), jnp.float32)
     scale = jnp.asarray(rng.normal(1, 0.1, cfg.d_model), jnp.float32)
@@ -106,12 +159,14 @@ def _kernels(cfg, policy: NumericPolicy) -> dict[str, tuple[Callable, Callable]]
                          jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy)
 
     attn_width = (q_len * cfg.n_heads + 2 * cfg.n_kv_heads * k_len) * cfg.head_dim
-    return {
+    found = {
         "matmul": (rows(cfg.d_model), lambda x: matmul(x, w, policy)),
         "rms_norm": (rows(cfg.d_model), lambda x: rms_norm(x, scale, policy, cfg.rms_eps)),
         "softmax": (rows(cfg.vocab_size), lambda x: softmax(x, policy, policy.attn_softmax_dtype)),
-        "attention": (rows(attn_width), attn),
     }
+    if cfg.attention_kind == "mla":
+        return found | _latent_attention_kernels(cfg, policy, rng, q_len, k_len)
+    return found | {"attention": (rows(attn_width), attn)}
 
 
 def probe(cfg, policy: NumericPolicy, kernel: str, batches=PROBE_BATCHES) -> dict:
@@ -145,8 +200,10 @@ def _gap_runs(engine_batches) -> list[dict]:
 def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *,
               engine_batches=ENGINE_BATCHES, probe_batches=PROBE_BATCHES, n_prompts: int | None = None,
               max_new_tokens: int = 16, seed: int = 0, progress: bool = True, replay: str = "none",
-              max_k3: float = THRESHOLD_K3, max_route_flips: float = THRESHOLD_ROUTE_FLIPS) -> dict:
-    """Run the audit, the probes and the trainer-engine gaps; a JSON-ready report with `passed`."""
+              max_k3: float = THRESHOLD_K3, max_route_flips: float = THRESHOLD_ROUTE_FLIPS,
+              max_index_flips: float = THRESHOLD_INDEX_FLIPS) -> dict:
+    """Run the audit, the probes and the trainer-engine gaps; a JSON-ready report with `passed`. A DSA model's
+    gaps also count index flips (`index_flip_rate`, judged like route flips against `max_index_flips`)."""
     from tqdm import tqdm
 
     from jaxalign.align.compare import compare
@@ -188,13 +245,16 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
         result = compare(model, trainer, engine, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
                          engine_batches=run["engine_batches"], schedule=run["schedule"],
                          prefill_chunk=run["prefill_chunk"], replay=replay)["runs"][0]
+        index_flips = result.get("index_flip_rate", 0.0)  # a DSA model: engine keys the trainer did not pick
         if aligned:
-            ok = result["bitwise_equal_fraction"] == 1.0 and result["route_flip_rate"] == 0.0
+            ok = result["bitwise_equal_fraction"] == 1.0 and result["route_flip_rate"] == 0.0 and index_flips == 0.0
         else:
-            ok = result["k3_kl"] <= max_k3 and result["route_flip_rate"] <= max_route_flips
+            ok = (result["k3_kl"] <= max_k3 and result["route_flip_rate"] <= max_route_flips
+                  and index_flips <= max_index_flips)
         gaps.append({"run": run["run"], "schedule": run["schedule"], "prefill_chunk": run["prefill_chunk"],
                      **{k: result[k] for k in ("engine_batch", "kl", "k3_kl", "max_abs_logp_diff",
                                                "bitwise_equal_fraction", "route_flip_rate", "n_tokens")},
+                     **({"index_flip_rate": index_flips} if "index_flip_rate" in result else {}),
                      "status": "pass" if ok else "FAIL"})
         bar.update()
     bar.close()
@@ -206,7 +266,8 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
             "trainer": str(trainer), "engine": str(engine), "claims_alignment": aligned,
             "replay": replay,
             "thresholds": {"gap": "bitwise" if aligned else
-                           f"k3_kl <= {max_k3} and route_flip_rate <= {max_route_flips}",
+                           f"k3_kl <= {max_k3} and route_flip_rate <= {max_route_flips}"
+                           + (f" and index_flip_rate <= {max_index_flips}" if cfg.index_topk else ""),
                            "probes": "bitwise for a batch-invariant policy, else reported only",
                            "audit": "no product with its precision or accumulation left to the backend"},
             "kernels": {side: sorted(found) for side, found in used.items()},
@@ -253,7 +314,9 @@ def format_report(result: dict) -> str:
                                               "max_abs_diff", "claimed", "status"]),
               "", "trainer vs engine:",
               report.table(result["gaps"], ["run", "kl", "k3_kl", "max_abs_logp_diff", "bitwise_equal_fraction",
-                                            "route_flip_rate", "n_tokens", "status"]),
+                                            "route_flip_rate"]
+                           + (["index_flip_rate"] if any("index_flip_rate" in g for g in result["gaps"]) else [])
+                           + ["n_tokens", "status"]),
               "", "PASS" if result["passed"] else "FAIL"]
     return "\n".join(lines)
 
@@ -289,6 +352,8 @@ def add_parser(sub) -> None:
                    help=f"largest k3 a non-aligned pair may show (default {THRESHOLD_K3}, the seed's 'equivalent')")
     p.add_argument("--max-route-flips", type=float, default=THRESHOLD_ROUTE_FLIPS,
                    help="largest fraction of router decisions a non-aligned pair may flip (default 0)")
+    p.add_argument("--max-index-flips", type=float, default=THRESHOLD_INDEX_FLIPS,
+                   help="largest fraction of DSA key selections a non-aligned pair may flip (default 0)")
     add_json_arg(p, "print the report as one JSON object (docs/check.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_check)
@@ -302,6 +367,7 @@ def cmd_check(args) -> int:
     result = run_check(load_model(args.model, args.model_seed), args.trainer, args.engine,
                        engine_batches=args.engine_batch, probe_batches=args.probe_batch, n_prompts=args.prompts,
                        max_new_tokens=args.max_new_tokens, seed=args.seed, progress=not args.no_progress,
-                       replay=args.replay, max_k3=args.max_k3, max_route_flips=args.max_route_flips)
+                       replay=args.replay, max_k3=args.max_k3, max_route_flips=args.max_route_flips,
+                       max_index_flips=args.max_index_flips)
     print(report.to_json(result) if args.json else format_report(result))
     return 0 if result["passed"] else 1

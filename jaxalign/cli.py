@@ -192,7 +192,7 @@ def cmd_experiment(args) -> int:
                                                                                                 "steps"))
     seeds = tuple(args.seeds) if args.seeds is not None else (STUDY_SEEDS if study else field_default(
         ExperimentConfig, "seeds"))
-    exp = ExperimentConfig(arms=_arms(args), seeds=seeds, steps=steps,
+    exp = ExperimentConfig(arms=_arms(args), seeds=seeds, steps=steps, model=args.model,
                            prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                            max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
                            ppo_epochs=args.ppo_epochs, is_threshold=args.is_threshold, rs=args.rs,
@@ -237,6 +237,9 @@ def _add_experiment_parser(sub) -> None:
     e.add_argument("--study", choices=("gap",), default=None,
                    help="gap: the dose-response study over a ladder of engine policies, with and without "
                         "correction (--arm then replaces the ladder)")
+    e.add_argument("--model", type=_model_preset, default=exp("model"),
+                   help=f"model preset (default {exp('model')}); its vocabulary must hold the Countdown "
+                        f"tokenizer's, e.g. tiny-glm5, tiny-deepseek-v3")
     e.add_argument("--steps", type=int, default=None, help=f"default {exp('steps')} (the study: {STUDY_STEPS})")
     e.add_argument("--seeds", type=_int_list_nonneg, default=None,
                    help=f"e.g. 0,1,2 (default {_ints_text(exp('seeds'))}; the study: {_ints_text(STUDY_SEEDS)})")

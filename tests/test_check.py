@@ -66,3 +66,32 @@ def test_policy_the_backend_cannot_run_is_refused_first(capsys):
     code, out = _run(capsys, "--engine", "fp32-tf32", "--model", "no-such-model")
     assert code == 2
     assert "--engine: NumericPolicy.matmul_acc = 'TF32_TF32_F32'" in out.err and "allowed on cpu" in out.err
+
+
+def test_glm5_aligned_pair_passes_with_latent_attention_and_indexer_probes(capsys):
+    """tiny-glm5 (MLA + DSA indexer): the attention probes are the model's own (`mla_attention` over the keys
+    the indexer selects, and the indexer's scores), and the gaps count index flips."""
+    code, out = _run(capsys, "--model", "tiny-glm5", "--trainer", "aligned-bf16", "--engine", "aligned-bf16",
+                     "--prompts", "2", "--json")
+    assert code == 0, out.out
+    result = json.loads(out.out)
+    assert result["model"]["family"] == "glm_moe_dsa" and result["passed"] and result["claims_alignment"]
+    assert [p["kernel"] for p in result["probes"]] == ["matmul", "rms_norm", "softmax", "mla_attention",
+                                                       "index_scores"]
+    assert all(p["status"] == "pass" and p["bitwise_invariant"] for p in result["probes"])
+    assert all(g["index_flip_rate"] == 0.0 and g["bitwise_equal_fraction"] == 1.0 for g in result["gaps"])
+
+
+def test_latent_attention_probe_follows_the_mla_form():
+    """The MLA probe runs the policy's form: expanded and absorbed give different bits on the same rows."""
+    import numpy as np
+
+    from jaxalign.check import _kernels
+    from jaxalign.model.config import ModelConfig
+    from jaxalign.numerics import NumericPolicy
+    cfg = ModelConfig.preset("tiny-glm5")
+    outs = {}
+    for form in ("expanded", "absorbed"):
+        make, fn = _kernels(cfg, NumericPolicy.preset("aligned-bf16").replace(mla=form))["mla_attention"]
+        outs[form] = np.asarray(jax.jit(fn)(make(2, 0)), np.float32)
+    assert not np.array_equal(outs["expanded"], outs["absorbed"])

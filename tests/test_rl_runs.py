@@ -76,6 +76,23 @@ def test_bad_arm_on_the_command_line_fails_before_anything_runs(tmp_path):
     assert not out.exists()
 
 
+def test_experiment_model_is_a_checked_preset(tmp_path, capsys):
+    """`--model` takes a family preset (tiny-glm5: MLA + DSA) and is recorded; an unknown preset and SFT
+    settings that cannot draw a batch are refused before the run directory is claimed."""
+    from jaxalign import cli
+    from jaxalign.rl.sft import SFTConfig
+    assert ExperimentConfig(model="tiny-glm5").to_dict()["model"] == "tiny-glm5"
+    with pytest.raises(ValueError, match="unknown model preset 'nope'; allowed: .*tiny-glm5"):
+        ExperimentConfig(model="nope")
+    with pytest.raises(ValueError, match="problems = 50 is fewer than batch_size = 64"):
+        ExperimentConfig(model="tiny-glm5", sft=SFTConfig(problems=50))
+    out = tmp_path / "exp"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["experiment", "countdown", "--model", "nope", "--out", str(out)])
+    assert exit_.value.code == 2 and "unknown model preset 'nope'" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_a_changed_setting_on_an_experiment_directory_is_refused(tmp_path):
     out = str(tmp_path / "exp")
     first = ExperimentConfig(steps=3)

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxalign import report
 from jaxalign.model.config import ModelConfig
-from jaxalign.rl import rundir
+from jaxalign.rl import rundir, tokenizer
 from jaxalign.rl.arms import Arm, parse_arms
 from jaxalign.rl.correction import CorrectionConfig
 from jaxalign.rl.sft import SFTConfig, warm_start
@@ -64,6 +64,11 @@ class ExperimentConfig:
             raise ValueError(f"seeds {list(self.seeds)} repeat a seed (two runs would share a directory)")
         CorrectionConfig(is_threshold=self.is_threshold, rs=tuple(self.rs))
         self.task()
+        self.sft.check_batches()  # before the run directory is claimed
+        vocab = ModelConfig.preset(self.model).vocab_size  # an unknown preset raises, naming the allowed ones
+        if vocab < tokenizer.VOCAB_SIZE:
+            raise ValueError(f"model {self.model!r} has vocab_size {vocab}, fewer than the Countdown tokenizer's "
+                             f"{tokenizer.VOCAB_SIZE} ids; allowed: a preset with vocab_size >= {tokenizer.VOCAB_SIZE}")
 
     def parsed_arms(self) -> tuple[Arm, ...]:
         """The arms (kept for callers of the string-holding config; `arms` is parsed already)."""

@@ -44,6 +44,12 @@ class SFTConfig:
         if self.answers not in ANSWERS:
             raise ValueError(f"SFTConfig.answers = {self.answers!r}; allowed: {', '.join(ANSWERS)}")
 
+    def check_batches(self) -> None:
+        """Training needs `problems` >= `batch_size` (each step draws a batch without replacement)."""
+        if self.steps and self.problems < self.batch_size:
+            raise ValueError(f"SFTConfig.problems = {self.problems} is fewer than batch_size = {self.batch_size} "
+                             f"(each SFT step draws a batch without replacement); allowed: problems >= batch_size")
+
     def to_dict(self) -> dict:
         """JSON-ready form; the policy as compact text (`NumericPolicy.compact`)."""
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "policy": self.policy.compact()}
@@ -109,6 +115,7 @@ def warm_start(model_config: ModelConfig, cfg: SFTConfig, cache_dir: str, *, pro
     build (same jaxalign source and JAX version, `code_fingerprint`)."""
     from tqdm import tqdm
 
+    cfg.check_batches()
     path = os.path.join(cache_dir, f"warmstart-{cache_key(model_config, cfg)}")
     if os.path.exists(os.path.join(path, "config.json")):
         return load_model(path)

@@ -188,6 +188,38 @@ def test_aligned_generation_is_bitwise_on_every_mesh(model, spec, schedule):
     np.testing.assert_array_equal(sharded.routing.indices, one.routing.indices)
 
 
+def test_glm5_latent_cache_is_split_over_the_batch_and_generation_is_bitwise():
+    """tiny-glm5 (MLA + DSA) on data=4,tensor=2: the latent cache [B, 1, rows, M] (latent, rope key and indexer
+    key, shared by every head) is split over the batch axes only (LATENT_CACHE_AXES), and the aligned engine
+    generates the same tokens, logprobs, experts and indexer selections as on one device."""
+    from jaxalign.model.mla import LATENT_CACHE_AXES
+    glm5 = build_model("tiny-glm5")
+    cfg, mesh = glm5.config, make_mesh("data=4,tensor=2")
+    graphdef, state = nnx.split(glm5)
+
+    @jax.jit
+    def prefill(state, tokens):
+        kv = _empty_kv(cfg, tokens.shape[0], 16, ALIGNED)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        return nnx.merge(graphdef, state).forward(tokens, ALIGNED, positions=positions, kv=kv)[2]
+
+    with jax.set_mesh(mesh):
+        kv = prefill(shard_state(state, mesh), jnp.asarray(random_tokens(cfg, 8, 8)))
+    assert LATENT_CACHE_AXES == ("cache_batch", None, None, "cache_seq")
+    spec = tuple(kv[0].sharding.spec)
+    assert kv[0].shape[1:3] == (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim)
+    assert spec + (None,) * (4 - len(spec)) == ("data", None, None, None)
+
+    kw = dict(max_new_tokens=8, temperature=1.0, seed=5, schedule="continuous", batch_size=8)
+    one = generate(glm5, _prompts(cfg), ALIGNED, **kw)
+    sharded = generate(glm5, _prompts(cfg), ALIGNED, mesh=mesh, **kw)
+    np.testing.assert_array_equal(sharded.tokens, one.tokens)
+    np.testing.assert_array_equal(sharded.logprobs, one.logprobs)
+    np.testing.assert_array_equal(sharded.routing.indices, one.routing.indices)
+    np.testing.assert_array_equal(sharded.routing.index_positions, one.routing.index_positions)
+    assert (one.routing.index_positions >= 0).any()  # the indexer selected keys (not an all -1 record)
+
+
 @pytest.mark.bitwise
 def test_cross_device_knob(model):
     """The knob test of `cross_device`: on fsdp=4,tensor=2 the partitioner's all-reduces (xla) change the bits,
