@@ -183,6 +183,15 @@ def _count_range(text: str) -> tuple[int, int]:
     return rng
 
 
+def _sft_answers(text: str) -> str:
+    from jaxalign.rl.sft import parse_answers
+    try:
+        parse_answers(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def cmd_experiment(args) -> int:
     from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
     from jaxalign.rl.sft import SFTConfig
@@ -256,9 +265,10 @@ def _add_experiment_parser(sub) -> None:
                         f"{_count_text(exp('problem_count'))})")
     e.add_argument("--sft-steps", type=int, default=field_default(SFTConfig, "steps"))
     e.add_argument("--sft-problems", type=int, default=field_default(SFTConfig, "problems"))
-    e.add_argument("--sft-answers", choices=SFT_ANSWERS, default=field_default(SFTConfig, "answers"),
-                   help="warm-start answers: brute-force solutions, or random well-formed expressions (RL must "
-                        "then learn correctness)")
+    e.add_argument("--sft-answers", type=_sft_answers, default=field_default(SFTConfig, "answers"),
+                   help=f"warm-start answers, one of {', '.join(SFT_ANSWERS)}: brute-force solutions; random "
+                        "well-formed expressions (RL must then learn correctness); or the solution with "
+                        "probability P, else the habit a+b+... (greedy answers the habit, samples hold solutions)")
     e.add_argument("--out", required=True, help="output directory (resumes runs found there)")
     add_json_arg(e)
     add_mesh_args(e)

@@ -1,9 +1,10 @@
 """`jaxalign demo`: the main job on an embedded default -- a scaled-down run of the seed's experiment.
 
-An SFT warm start on generated Countdown problems, then GRPO twice from it: once with trainer and engine
-computing probabilities the same way (`aligned-bf16` on both sides), once with a typical trainer/engine pair
+An SFT warm start on generated two-number Countdown problems (solutions 30% of the time, the habit `a+b`
+otherwise: `jaxalign.rl.sft.ANSWERS`), then 40 GRPO steps twice from it: once with trainer and engine computing
+probabilities the same way (`aligned-bf16` on both sides), once with a typical trainer/engine pair
 (`train-bf16` / `serve-bf16`) protected by verl-style rollout correction. Same problems, same seeds, same
-algorithm. Prints the summary table and where the plots are. About 3 minutes on 2 CPU cores.
+algorithm. Prints the summary table and where the plots are. About 4-5 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from jaxalign import report
 from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
 from jaxalign.rl.sft import SFTConfig
 
-DEMO = ExperimentConfig(seeds=(0,), steps=30)
+DEMO = ExperimentConfig(seeds=(0,))  # the experiment's defaults, one seed
 QUICK = ExperimentConfig(seeds=(0,), steps=3, eval_every=3, eval_problems=16,
                          sft=SFTConfig(problems=400, steps=40))
 

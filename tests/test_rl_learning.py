@@ -72,3 +72,26 @@ def test_random_answers_are_well_formed_and_use_every_number_once():
     assert (tokens != solved).any(), "random answers must differ from the brute-force solutions"
     with pytest.raises(ValueError, match="answers"):
         SFTConfig(answers="guess")
+
+
+def test_habit_answers_are_the_solution_with_probability_p_else_the_sum_in_order():
+    from jaxalign.rl import countdown
+    from jaxalign.rl.sft import habit_expression, parse_answers
+    assert habit_expression((3, 5, 2)) == "3+5+2"
+    cfg = dict(problems=400, problem_count=(2, 2), max_new_tokens=14)
+    problems = countdown.generate_problems(400, seed=0, count=(2, 2))
+    answers = {}
+    for p_share in (0.0, 0.3, 1.0):
+        tokens, _ = solution_traces(SFTConfig(**cfg, answers=f"habit:{p_share}"))
+        texts = [tokenizer.decode(row[row.tolist().index(tokenizer.BOS) + 1:]) for row in tokens]
+        answers[p_share] = [t.split("<answer>")[-1].split("</answer>")[0] for t in texts]
+    for p, habit, solution in zip(problems, answers[0.0], answers[1.0]):
+        assert habit == habit_expression(p.numbers) and solution == p.solution
+    mixed = answers[0.3]
+    from_solution = [m == s for m, s, h in zip(mixed, answers[1.0], answers[0.0]) if s != h]
+    assert all(m in (s, h) for m, s, h in zip(mixed, answers[1.0], answers[0.0]))
+    assert 0.22 < np.mean(from_solution) < 0.38  # P = 0.3 over ~300 problems whose habit is wrong
+    assert parse_answers("habit:0.25") == ("habit", 0.25)
+    for bad in ("habit", "habit:x", "habit:1.5", "habit:-0.1", "habbit:0.3"):
+        with pytest.raises(ValueError, match="habit:P"):
+            SFTConfig(answers=bad)

@@ -95,7 +95,7 @@ def test_experiment_model_is_a_checked_preset(tmp_path, capsys):
 
 def test_a_changed_setting_on_an_experiment_directory_is_refused(tmp_path):
     out = str(tmp_path / "exp")
-    first = ExperimentConfig(steps=3)
+    first = ExperimentConfig(steps=3, learning_rate=3e-4)
     rundir.claim(out, experiment_record(first), what="experiment")  # as the first run did
     rundir.claim(out, experiment_record(first), what="experiment")  # the same command again: fine
     with pytest.raises(rundir.RunMismatch, match=r"learning_rate: 0.0003 -> 0.123"):

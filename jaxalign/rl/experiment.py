@@ -39,18 +39,18 @@ class ExperimentConfig:
 
     arms: tuple[Arm, ...] = ("aligned", "misaligned")
     seeds: tuple[int, ...] = (0,)
-    steps: int = 30
+    steps: int = 40
     model: str = "countdown"
-    prompts_per_step: int = 8
-    group_size: int = 4
-    max_new_tokens: int = 24
-    learning_rate: float = 3e-4
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 14
+    learning_rate: float = 1e-3
     ppo_epochs: int = 1
     is_threshold: str = "2.0"
     rs: tuple[str, ...] = DEFAULT_RS
-    eval_every: int = 5
-    eval_problems: int = 64
-    problem_count: tuple[int, int] = (3, 3)
+    eval_every: int = 10
+    eval_problems: int = 128
+    problem_count: tuple[int, int] = (2, 2)
     max_target: int = 99
     sft: SFTConfig = SFTConfig()
     trainer_mesh: str = ""  # e.g. "data=2,expert=2,tensor=2"; "" = one device

@@ -30,19 +30,18 @@ class SFTConfig:
     """Warm-start settings; together with the model config they key the cache."""
 
     problems: int = 4000
-    steps: int = 600
+    steps: int = 300
     batch_size: int = 64
     learning_rate: float = 3e-3
     seed: int = 0
-    max_new_tokens: int = 24
+    max_new_tokens: int = 14
     policy: NumericPolicy = NumericPolicy.preset("fp32")  # a policy string is accepted and parsed
-    problem_count: tuple[int, int] = (3, 3)
-    answers: str = "solution"  # or "random": well-formed expressions over the numbers, right only by chance
+    problem_count: tuple[int, int] = (2, 2)
+    answers: str = "habit:0.3"  # "solution", "random" or "habit:P" (see ANSWERS)
 
     def __post_init__(self):
         object.__setattr__(self, "policy", NumericPolicy.coerce(self.policy, label="SFTConfig.policy"))
-        if self.answers not in ANSWERS:
-            raise ValueError(f"SFTConfig.answers = {self.answers!r}; allowed: {', '.join(ANSWERS)}")
+        parse_answers(self.answers)
 
     def check_batches(self) -> None:
         """Training needs `problems` >= `batch_size` (each step draws a batch without replacement)."""
@@ -55,7 +54,35 @@ class SFTConfig:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "policy": self.policy.compact()}
 
 
-ANSWERS = ("solution", "random")
+# What the warm start is trained to answer:
+# - "solution": the brute-force solution (the model learns to solve);
+# - "random": a random well-formed expression over the numbers (format only; right by chance);
+# - "habit:P": the solution with probability P, else the habit expression, the numbers in the given order joined by
+#   "+" (`habit_expression`). The model learns to solve *and* a habit that greedy decoding prefers whenever P < 1/2,
+#   so its greedy answers are mostly the habit while the solution is among its samples: the regime in which RL on
+#   a pretrained model raises greedy reward (it moves probability onto answers the model can already produce).
+ANSWERS = ("solution", "random", "habit:P")
+
+
+def parse_answers(answers: str) -> tuple[str, float]:
+    """("solution" | "random" | "habit", P): the mode and, for habit, the probability of the solution."""
+    if answers in ("solution", "random"):
+        return answers, 1.0 if answers == "solution" else 0.0
+    mode, _, share = answers.partition(":")
+    try:
+        probability = float(share)
+    except ValueError:
+        probability = -1.0
+    if mode != "habit" or not 0.0 <= probability <= 1.0:
+        raise ValueError(f"SFTConfig.answers = {answers!r}; allowed: solution, random, habit:P with 0 <= P <= 1 "
+                         f"(e.g. habit:0.3)")
+    return mode, probability
+
+
+def habit_expression(numbers) -> str:
+    """The warm start's habit: the numbers in the order given, joined by "+" (right only when that sum is the
+    target)."""
+    return "+".join(str(n) for n in numbers)
 
 
 def random_expression(numbers, rng: np.random.Generator) -> str:
@@ -70,16 +97,22 @@ def random_expression(numbers, rng: np.random.Generator) -> str:
 
 
 def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Token sequences [N, W] (prompt + answer + </answer> + eos; the answer is the brute-force solution, or with
-    `answers="random"` a random well-formed expression) and the mask of target positions [N, W-1]."""
+    """Token sequences [N, W] (prompt + answer + </answer> + eos; the answer as `cfg.answers` says: see ANSWERS)
+    and the mask of target positions [N, W-1]."""
     width = PROMPT_WIDTH + cfg.max_new_tokens
     problems = countdown.generate_problems(cfg.problems, seed=cfg.seed, count=cfg.problem_count)
     rng = np.random.default_rng(cfg.seed)
+    mode, solution_share = parse_answers(cfg.answers)
     tokens = np.zeros((len(problems), width), np.int32)
     mask = np.zeros((len(problems), width - 1), bool)
     for i, p in enumerate(problems):
         prompt = tokenizer.encode(p.prompt(), bos=True)
-        text = p.solution if cfg.answers == "solution" else random_expression(p.numbers, rng)
+        if mode == "random":
+            text = random_expression(p.numbers, rng)
+        elif mode == "habit" and rng.random() >= solution_share:
+            text = habit_expression(p.numbers)
+        else:
+            text = p.solution
         answer = tokenizer.encode(text + "</answer>", eos=True)
         if len(prompt) > PROMPT_WIDTH or len(answer) > cfg.max_new_tokens:
             raise ValueError(f"problem {p} does not fit the prompt width / max_new_tokens")
