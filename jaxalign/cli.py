@@ -10,7 +10,7 @@ import traceback
 from flax import nnx
 
 from jaxalign import report, runtime
-from jaxalign.cli_args import (add_generation_args, add_json_arg, add_mesh_args, add_model_args, add_policy_args,
+from jaxalign.cli_args import (add_generation_args, checked_text, add_json_arg, add_mesh_args, add_model_args, add_policy_args,
                                add_replay_arg, field_default, meshes, param_default, policy_arg)
 from jaxalign.model.config import ModelConfig, preset_names
 from jaxalign.model.transformer import Transformer
@@ -183,15 +183,6 @@ def _count_range(text: str) -> tuple[int, int]:
     return rng
 
 
-def _sft_answers(text: str) -> str:
-    from jaxalign.rl.sft import parse_answers
-    try:
-        parse_answers(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
-
-
 def cmd_experiment(args) -> int:
     from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
     from jaxalign.rl.sft import SFTConfig
@@ -231,7 +222,7 @@ def _add_experiment_parser(sub) -> None:
     """`jaxalign experiment countdown`: every default is ExperimentConfig's (or SFTConfig's) field default."""
     from jaxalign.rl.arms import BUILTIN, GRAMMAR
     from jaxalign.rl.experiment import ExperimentConfig
-    from jaxalign.rl.sft import ANSWERS as SFT_ANSWERS, SFTConfig
+    from jaxalign.rl.sft import ANSWERS as SFT_ANSWERS, SFTConfig, parse_answers as parse_sft_answers
     from jaxalign.rl.study import STUDY_SEEDS, STUDY_STEPS
     exp = lambda name: field_default(ExperimentConfig, name)  # noqa: E731
     p = sub.add_parser("experiment", help="RL experiments")
@@ -265,7 +256,7 @@ def _add_experiment_parser(sub) -> None:
                         f"{_count_text(exp('problem_count'))})")
     e.add_argument("--sft-steps", type=int, default=field_default(SFTConfig, "steps"))
     e.add_argument("--sft-problems", type=int, default=field_default(SFTConfig, "problems"))
-    e.add_argument("--sft-answers", type=_sft_answers, default=field_default(SFTConfig, "answers"),
+    e.add_argument("--sft-answers", type=checked_text(parse_sft_answers), default=field_default(SFTConfig, "answers"),
                    help=f"warm-start answers, one of {', '.join(SFT_ANSWERS)}: brute-force solutions; random "
                         "well-formed expressions (RL must then learn correctness); or the solution with "
                         "probability P, else the habit a+b+... (greedy answers the habit, samples hold solutions)")

@@ -74,13 +74,21 @@ def add_json_arg(p: argparse.ArgumentParser, help: str = "print the result as on
     p.add_argument("--json", action="store_true", help=help)
 
 
+def checked_text(validate: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type that keeps the text but refuses it, with `validate`'s ValueError message, when
+    `validate(text)` raises."""
+    def arg_type(text: str) -> str:
+        try:
+            validate(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+    return arg_type
+
+
 def _mesh_spec(text: str) -> str:
     from jaxalign.model.sharding import parse_mesh_spec
-    try:
-        parse_mesh_spec(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
+    return checked_text(parse_mesh_spec)(text)
 
 
 def add_mesh_args(p: argparse.ArgumentParser) -> None:
