@@ -1,17 +1,54 @@
-"""Shared fixtures: tiny models built once per session."""
+"""Shared fixtures: tiny models built once per session, and one persistent compilation cache for the run."""
 
 from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 
-import jax
+# One persistent compilation cache per pytest run, shared by every process the run starts (xdist workers, the ISA
+# legs, the multidevice suite, CLI and notebook subprocesses): most of the suite's time is XLA compiling the same
+# programs again in fresh processes. The outermost pytest process makes a fresh directory and removes it at the
+# end, so nothing carries over between runs or builds; JAX's own env variables pass it to every child (jax reads
+# them when it is imported). The cache key hashes XLA_FLAGS, so an ISA leg never loads another ISA's executable
+# (tests/test_isa_matrix.py proves it, and that a cached executable is the one a fresh compile gives).
+# JAXALIGN_TEST_COMPILATION_CACHE=off compiles everything fresh.
+COMPILATION_CACHE_ENV = "JAXALIGN_TEST_COMPILATION_CACHE"
+
+
+def _shared_compilation_cache() -> tuple[str | None, bool]:
+    """(the run's cache directory or None when switched off, whether this process made it and removes it)."""
+    setting = os.environ.get(COMPILATION_CACHE_ENV, "")
+    if setting == "off":
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+        return None, False
+    if setting and os.path.isdir(setting):
+        return setting, False  # a child of the run that made it
+    if setting:
+        raise ValueError(f"{COMPILATION_CACHE_ENV}={setting!r}: expected 'off', or unset (the outermost pytest "
+                         "process sets it to the run's cache directory for its children)")
+    path = tempfile.mkdtemp(prefix="jaxalign-test-jit-cache-")
+    os.environ[COMPILATION_CACHE_ENV] = path
+    return path, True
+
+
+COMPILATION_CACHE_DIR, _OWNS_COMPILATION_CACHE = _shared_compilation_cache()
+if COMPILATION_CACHE_DIR:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE_DIR
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # tiny models: every program counts
+
+import jax  # noqa: E402  (after the cache's env variables)
 import numpy as np
 import pytest
 from flax import nnx
 
 from jaxalign import ModelConfig, Transformer
 from jaxalign.model.scoring import forward
+
+if COMPILATION_CACHE_DIR:  # also when a plugin imported jax before this module set the env variables
+    jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE_DIR)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 # tests/multidevice/ needs 8 fake devices, set before JAX starts: tests/test_meshes.py runs it in its own process
 collect_ignore = [] if os.environ.get("JAXALIGN_MULTIDEVICE") == "1" else ["multidevice"]
@@ -35,6 +72,12 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_unconfigure(config):
+    """The process that made the run's compilation cache removes it."""
+    if _OWNS_COMPILATION_CACHE:
+        shutil.rmtree(COMPILATION_CACHE_DIR, ignore_errors=True)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Group the tests for pytest-xdist (LONGEST_FIRST: one unit each, first; the rest by file) and order them."""
@@ -44,6 +87,23 @@ def pytest_collection_modifyitems(config, items):
         long = rank(item) < len(LONGEST_FIRST)
         item.add_marker(pytest.mark.xdist_group(item.nodeid if long else item.nodeid.split("::", 1)[0]))
     items.sort(key=rank)  # stable: files keep their order
+    if os.environ.get("JAXALIGN_ISA_LEG"):
+        _leave_out_leg_repeats(config, items)
+
+
+def _leave_out_leg_repeats(config, items):
+    """In an ISA leg, deselect the cases tests/isa.py LEG_REPEATS lists (after checking the list against the
+    suite: only where the whole suite is collected, as a leg does)."""
+    from isa import LEG_REPEATS, leg_repeat_errors
+    ids = {item.nodeid for item in items}
+    if any(nodeid.startswith("tests/test_isa_matrix.py::") for nodeid in ids):  # the whole suite
+        errors = leg_repeat_errors({item.nodeid for item in items if item.get_closest_marker("bitwise")}, ids)
+        if errors:
+            raise pytest.UsageError("tests/isa.py LEG_REPEATS: " + "; ".join(errors))
+    dropped = [item for item in items if item.nodeid in LEG_REPEATS]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item.nodeid not in LEG_REPEATS]
 
 
 def _memory_map_count() -> int | None:

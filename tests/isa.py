@@ -34,3 +34,44 @@ def current_isa() -> str:
         if flag.startswith(ISA_FLAG + "="):
             return flag.split("=", 1)[1]
     return "native"
+
+
+# The ISA legs (tests/test_isa_matrix.py) run one case per claim: these `bitwise` cases repeat a claim another
+# case already makes under the leg's ISA, so a leg leaves them out (the native run keeps every case). Each maps to
+# the case the leg still runs for that claim; tests/conftest.py checks both exist and are `bitwise` whenever a
+# leg collects the suite. A new bitwise test runs in the legs unless it is listed here.
+LEG_REPEATS = {
+    # trainer == engine bitwise: the continuous schedule's case (batches 3 and 8), and the static one with a
+    # chunked prefill; the engine's invariance to batch 1/8/32, schedule and chunk by test_engine's case
+    "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[static-batches0-None]":
+        "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[continuous-batches1-None]",
+    # the engine records the teacher-forced pass's index selections: one schedule (prefill and decode)
+    "tests/test_index_replay.py::test_engine_records_the_index_selections_of_a_teacher_forced_pass[static-None]":
+        "tests/test_index_replay.py::test_engine_records_the_index_selections_of_a_teacher_forced_pass"
+        "[continuous-None]",
+    "tests/test_index_replay.py::test_engine_records_the_index_selections_of_a_teacher_forced_pass[static-4]":
+        "tests/test_index_replay.py::test_engine_records_the_index_selections_of_a_teacher_forced_pass"
+        "[continuous-None]",
+    # R3w replay reproduces the engine's MoE outputs bit for bit: one family
+    "tests/test_index_replay.py::test_gate_weight_replay_semantics[tiny-glm5]":
+        "tests/test_index_replay.py::test_gate_weight_replay_semantics[tiny]",
+    # the same field flipped to the same value from a second base policy
+    "tests/test_knobs.py::test_knob_changes_numbers_and_restores[mla=absorbed1]":
+        "tests/test_knobs.py::test_knob_changes_numbers_and_restores[mla=absorbed0]",
+    "tests/test_knobs.py::test_knob_changes_numbers_and_restores[index_scores_dtype=bf16_1]":
+        "tests/test_knobs.py::test_knob_changes_numbers_and_restores[index_scores_dtype=bf16_0]",
+}
+
+
+def leg_repeat_errors(bitwise_ids: set[str], all_ids: set[str]) -> list[str]:
+    """What is wrong with LEG_REPEATS given the collected node ids (all, and those marked `bitwise`)."""
+    errors = []
+    for dropped, cover in LEG_REPEATS.items():
+        for role, nodeid in (("left out", dropped), ("covering case", cover)):
+            if nodeid not in all_ids:
+                errors.append(f"{role} {nodeid!r} is not a test of the suite (renamed?)")
+            elif nodeid not in bitwise_ids:
+                errors.append(f"{role} {nodeid!r} is not marked bitwise")
+        if cover in LEG_REPEATS:
+            errors.append(f"{dropped!r} is covered by {cover!r}, which the legs leave out too")
+    return errors

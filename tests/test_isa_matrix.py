@@ -5,6 +5,11 @@ a multiply-add is contracted into an FMA (AVX2 and later) -- so a claim checked 
 The native leg is the ordinary run of the same tests. `python -m pytest -q` (the README's command, which
 .ci/run calls) reaches this module, so CI runs the matrix; `-m bitwise` alone runs one leg.
 
+A leg runs one case per claim: the parametrised cases tests/isa.py LEG_REPEATS lists repeat a claim another case
+makes under that ISA, and each names the case that still covers it (tests/conftest.py checks the list whenever a
+leg collects the suite). All the run's processes share one persistent compilation cache (tests/conftest.py); its
+key hashes XLA_FLAGS, so a leg compiles its own executables (the last test here proves it).
+
 Inside a leg the multidevice suite (tests/test_meshes.py) runs only its `bitwise` cases, a representative mesh
 per claim, and the two-process test does not run: its numerics are the single-process mesh RL run's (marked),
 and what it adds (gloo, checkpoints) does not depend on the ISA.
@@ -12,6 +17,7 @@ and what it adds (gloo, checkpoints) does not depend on the ISA.
 Each leg is one pytest process of its own (`-n 0`: no workers of its own), and one unit of the suite's two
 xdist workers, scheduled first (tests/conftest.py, LONGEST_FIRST)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -40,3 +46,59 @@ def test_bitwise_claims_hold_under_isa(isa):
     print(f"ISA leg {isa}: {time.perf_counter() - start:.0f} s\n{proc.stdout[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+# A child that compiles one program (`jit_probe`, a reduction whose code XLA:CPU vectorises by the ISA) with the
+# persistent compilation cache at argv[1], and prints its result's bits and the cache events it caused.
+_CACHE_PROBE = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+events = []
+jax.monitoring.register_event_listener(lambda name, **_: events.append(name))
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+def probe(v, w):
+    return jnp.sum(v * w + jnp.tanh(v))
+v, w = np.random.default_rng(0).normal(size=(2, 4099)).astype(np.float32)
+out = np.asarray(jax.jit(probe)(v, w))
+print(json.dumps({"bits": out.view(np.uint32).item(), "hits": events.count("/jax/compilation_cache/cache_hits"),
+                  "writes": events.count("/jax/compilation_cache/cache_misses")}))
+"""
+
+
+def _cache_probe(cache_dir, isa: str | None = None) -> dict:
+    env = child_env()
+    if isa:
+        kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(ISA_FLAG + "=")]
+        env["XLA_FLAGS"] = " ".join(kept + [f"{ISA_FLAG}={isa}"])
+    proc = subprocess.run([sys.executable, "-c", _CACHE_PROBE, str(cache_dir)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _probe_entries(cache_dir) -> list[str]:
+    return sorted(p.name for p in cache_dir.iterdir() if p.name.startswith("jit_probe-"))
+
+
+@pytest.mark.bitwise
+def test_the_shared_compilation_cache_keys_on_the_isa_and_returns_the_bits_it_stored(tmp_path):
+    """tests/conftest.py shares one persistent compilation cache between all the processes of a run, the ISA legs
+    included. Its key hashes XLA_FLAGS, so a leg under another ISA cap compiles its own executable rather than
+    loading this one; and a loaded executable gives the bits of the compile that stored it.
+
+    (Not asserted, because it is false: that two fresh compiles give the same bytes. Under jaxalign's
+    `--xla_cpu_experimental_ynn_fusion_type=-reduce`, XLA:CPU picks its tiled or its loop emitter for a fusion
+    differently from one compile to the next, so jax's `jax_compilation_cache_check_contents` fails on this very
+    program. The cache does not add that variation: it makes a run use one compile per program and flags.)"""
+    fresh = _cache_probe(tmp_path)
+    assert (fresh["hits"], fresh["writes"]) == (0, 1) and len(_probe_entries(tmp_path)) == 1
+    cached = _cache_probe(tmp_path)
+    assert (cached["hits"], cached["writes"]) == (1, 0) and cached["bits"] == fresh["bits"]
+
+    other_isa = "SSE4_2" if current_isa() != "SSE4_2" else "AVX2"
+    other = _cache_probe(tmp_path, isa=other_isa)
+    assert (other["hits"], other["writes"]) == (0, 1), f"{other_isa} loaded an executable compiled for another ISA"
+    assert len(_probe_entries(tmp_path)) == 2
+    again = _cache_probe(tmp_path, isa=other_isa)  # that ISA's own entry is found again, with its own bits
+    assert (again["hits"], again["writes"], again["bits"]) == (1, 0, other["bits"])
