@@ -295,6 +295,14 @@ def test_mla_checkpoint_in_both_expert_layouts(tmp_path):
      r"indexer_types = \['full', 'shared', 'full'\] is not supported; supported: 'full' for every layer"),
     (dict(model_type="glm_moe_dsa", mlp_layer_types=["sparse", "dense", "sparse"]),
      r"mlp_layer_types = \['sparse', 'dense', 'sparse'\] is not supported"),
+    (dict(model_type="glm_moe_dsa", rope_interleave=False),
+     r"rope_interleave = False is not supported for glm_moe_dsa; supported: True"),
+    (dict(model_type="glm_moe_dsa", layer_types=["indexed_attention", "full_attention", "indexed_attention"]),
+     r"layer_types holds \['full_attention'\]; supported: only 'indexed_attention'"),
+    (dict(model_type="glm_moe_dsa", index_topk=None),
+     r"config.json has no value for index_topk \(required for model_type 'glm_moe_dsa'\)"),
+    (dict(model_type="qwen3_moe", use_sliding_window=True, sliding_window=8),
+     r"use_sliding_window = True \(sliding_window = 8\) is not supported"),
 ])
 def test_unsupported_config_features_are_refused_by_name(tmp_path, changes, message):
     """A feature we do not implement is refused naming the field, its value and what is supported -- never
@@ -377,3 +385,21 @@ def test_dsa_selections_prefill_and_decode_match_transformers(tmp_path):
     replay[:, : decode_sel.shape[1]] = _visible(decode_sel)
     logits, _ = ours(tokens, policy=FP32, index_replay=replay)
     assert np.abs(np.stack(steps, 1) - np.asarray(logits)[:, 7:-1]).max() <= 1e-4
+
+
+def test_mla_cached_decode_of_transformers_matches_our_logits(tmp_path):
+    """deepseek_v3: transformers' step-by-step decode from its latent cache gives our teacher-forced fp32 logits
+    within 1e-4 at every step (the glm_moe_dsa case is in the DSA test above)."""
+    model = hf_model("deepseek_v3")
+    ours = hf.load(_save(model, tmp_path / "dsv3"))
+    tokens = _tokens(2, 20, seed=6)
+    with torch.no_grad():
+        out = model(torch.tensor(tokens[:, :8]), use_cache=True)
+        cache, steps = out.past_key_values, [out.logits[:, -1].float().numpy()]
+        for t in range(8, tokens.shape[1] - 1):
+            out = model(torch.tensor(tokens[:, t:t + 1]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits[:, -1].float().numpy())
+    logits = np.asarray(ours(tokens, policy=FP32)[0])[:, 7:-1]
+    assert np.abs(logits).max() > 0.5
+    assert np.abs(np.stack(steps, 1) - logits).max() <= 1e-4
