@@ -64,7 +64,8 @@ def _get(hf: dict, *names):
     for name in names:
         if hf.get(name) is not None:
             return hf[name]
-    raise ValueError(f"config.json has none of {names}")
+    raise ValueError(f"config.json has no value for {' / '.join(names)} (required for model_type "
+                     f"{hf.get('model_type')!r})")
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -123,7 +124,7 @@ def _mla_config(hf: dict, common: dict, n_shared: int) -> ModelConfig:
     if (hf.get("num_key_value_heads") or heads) != heads:
         raise ValueError(f"num_key_value_heads = {hf['num_key_value_heads']} with multi-head latent attention; "
                          f"allowed: num_attention_heads = {heads} (transformers expands one key per head)")
-    nope, rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    nope, rope_dim = _get(hf, "qk_nope_head_dim"), _get(hf, "qk_rope_head_dim")
     common = dict(common, n_kv_heads=heads, head_dim=nope + rope_dim)
     dense = hf.get("first_k_dense_replace", 0)
     mlp_types = hf.get("mlp_layer_types")
@@ -133,12 +134,15 @@ def _mla_config(hf: dict, common: dict, n_shared: int) -> ModelConfig:
                          f"first_k_dense_replace = {dense} layers 'dense', the rest 'sparse'")
     index = {}
     if hf["model_type"] == "glm_moe_dsa":
+        if not hf.get("rope_interleave", True):  # transformers' GLM-5 rotates interleaved pairs whatever it says
+            raise ValueError("rope_interleave = False is not supported for glm_moe_dsa; supported: True (GLM-5's "
+                             "attention and indexer always rotate interleaved pairs)")
         indexer_types = hf.get("indexer_types") or ["full"] * hf["num_hidden_layers"]
         if any(t != "full" for t in indexer_types):
             raise ValueError(f"indexer_types = {indexer_types} is not supported; supported: 'full' for every "
                              f"layer (each layer runs its own indexer; 'shared' top-k reuse is not implemented)")
-        index = dict(index_topk=hf["index_topk"], index_n_heads=hf["index_n_heads"],
-                     index_head_dim=hf["index_head_dim"])
+        index = dict(index_topk=_get(hf, "index_topk"), index_n_heads=_get(hf, "index_n_heads"),
+                     index_head_dim=_get(hf, "index_head_dim"))
     return ModelConfig(**common, router="sigmoid_grouped", n_experts=_get(hf, "n_routed_experts", "num_local_experts"),
                        expert_dim=hf["moe_intermediate_size"], n_groups=hf.get("n_group") or 1,
                        topk_groups=hf.get("topk_group") or 1,
@@ -146,8 +150,8 @@ def _mla_config(hf: dict, common: dict, n_shared: int) -> ModelConfig:
                        norm_topk_prob=hf.get("norm_topk_prob", True), n_shared_experts=n_shared,
                        shared_expert_dim=n_shared * hf["moe_intermediate_size"],
                        first_k_dense=hf.get("first_k_dense_replace", 0), attention_kind="mla",
-                       q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=nope,
-                       qk_rope_head_dim=rope_dim, v_head_dim=hf["v_head_dim"],
+                       q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=_get(hf, "kv_lora_rank"),
+                       qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=_get(hf, "v_head_dim"),
                        rope_interleave=bool(hf.get("rope_interleave", True)), **index)
 
 

@@ -4,23 +4,60 @@ from __future__ import annotations
 
 from flax import nnx
 
-from jaxalign.model.layers import Linear, LoRAParam
+from jaxalign.model.config import ModelConfig
+from jaxalign.model.layers import Linear, LoRAParam  # noqa: F401
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.lora import merged_weight
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down")
+GQA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# multi-head latent attention: q_proj without a q bottleneck, else q_a_proj / q_b_proj; the KV latent's down- and
+# up-projection; the output projection
+MLA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
+MLP_TARGETS = ("gate", "up", "down")  # dense layers and shared experts (routed experts are stacked tensors)
+TARGETS = tuple(dict.fromkeys(GQA_TARGETS + MLA_TARGETS + MLP_TARGETS))
+# the DSA indexer only feeds a top-k: no gradient reaches its projections (transformers runs it under no_grad)
+INDEXER_LINEARS = ("wq_b", "wk", "weights_proj")
 
 
-def add_lora(model: Transformer, rank: int, alpha: float, targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-             *, seed: int = 0) -> int:
-    """Attach adapters to every Linear whose attribute name is in `targets` (attention projections and dense /
-    shared-expert MLP layers; routed experts are stacked tensors and are not adapted). Returns the count."""
+def attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    """Every attention projection of `cfg`'s attention kind (what `add_lora` adapts by default)."""
+    if cfg.attention_kind != "mla":
+        return GQA_TARGETS
+    query = ("q_proj",) if cfg.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+    return query + ("kv_a_proj", "kv_b_proj", "o_proj")
+
+
+def _targets_of(model: Transformer) -> set[str]:
+    """The adaptable layer names this model has."""
+    return {path[-1] for path, module in nnx.iter_graph(model)
+            if isinstance(module, Linear) and path and path[-1] in TARGETS}
+
+
+def add_lora(model: Transformer, rank: int, alpha: float, targets=None, *, seed: int = 0) -> int:
+    """Attach adapters to every Linear whose attribute name is in `targets` (default: `attention_targets` of the
+    model's config; also the dense / shared-expert MLP layers `gate`, `up`, `down`). Returns the count.
+
+    A target this model does not have (e.g. `k_proj` on an MLA model) is refused with the ones it has; so are
+    the DSA indexer's projections, which no gradient reaches."""
     if rank < 1 or alpha <= 0:
         raise ValueError(f"LoRA rank = {rank}, alpha = {alpha}; allowed: rank >= 1, alpha > 0")
-    unknown = set(targets) - set(TARGETS)
+    targets = attention_targets(model.config) if targets is None else tuple(targets)
+    indexer = sorted(set(targets) & set(INDEXER_LINEARS))
+    if indexer:
+        raise ValueError(f"LoRA targets {indexer} are the DSA indexer's projections: its top-k is not "
+                         f"differentiable, so no gradient would reach an adapter there; allowed: "
+                         f"{', '.join(TARGETS)}")
+    unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
-        raise ValueError(f"unknown LoRA targets {sorted(unknown)}; allowed: {', '.join(TARGETS)}")
+        raise ValueError(f"unknown LoRA targets {unknown}; allowed: {', '.join(TARGETS)}")
+    present = _targets_of(model)
+    absent = [t for t in targets if t not in present]
+    if absent:
+        attention = attention_targets(model.config)
+        others = [t for t in TARGETS if t in present and t not in attention]
+        raise ValueError(f"LoRA targets {absent} match no layer of this {model.config.attention_kind} model; "
+                         f"its targets: {', '.join(attention + tuple(others))}")
     rngs = nnx.Rngs(seed)
     count = 0
     for path, module in nnx.iter_graph(model):

@@ -107,6 +107,8 @@ class MLAttention(nnx.Module):
             if index_replay is not None:
                 allowed = replayed_keys(index_replay, k_pos, allowed)
             selection = (chosen, margins)
-        out = mla_attention(q, cache, self.kv_b_proj.w[...], positions, k_pos, policy, nope_dim=nope,
-                            v_dim=cfg.v_head_dim, allowed=allowed)
+        kv_b = self.kv_b_proj
+        kv_b_lora = None if kv_b.lora_a is None else (kv_b.lora_a[...], kv_b.lora_b[...], kv_b.lora_scale)
+        out = mla_attention(q, cache, kv_b.w[...], positions, k_pos, policy, nope_dim=nope, v_dim=cfg.v_head_dim,
+                            allowed=allowed, kv_b_lora=kv_b_lora)
         return self.o_proj(out.reshape(b, s, -1), policy), new_kv, selection
