@@ -160,12 +160,11 @@ def test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy(preset, t
     """GRPO with adapters on every MLA projection (kv_b_proj included, read inside attention): the aligned engine
     reports the trainer's logprobs bitwise at every step (rollout KL 0), and only adapters change -- B among
     them, kv_b_proj's too."""
-    from jaxalign.model.lora import attention_targets
     from jaxalign.rl.grpo import GRPOConfig
     from jaxalign.rl.trainer import RLConfig, Trainer
     model = build_model(preset)
     cfg = RLConfig(steps=2, prompts_per_step=4, grpo=GRPOConfig(group_size=4), max_new_tokens=4, eval_problems=2,
-                   lora_rank=4, learning_rate=1e-2, lora_targets=attention_targets(model.config))
+                   lora_rank=4, learning_rate=1e-2)  # default targets: the model's own
     trainer = Trainer(model, cfg, str(tmp_path / "lora"), task=_ParityTask())
     before = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(trainer.params)}
     # two steps without evaluation or checkpoints: the second step's rollouts come from the updated adapters

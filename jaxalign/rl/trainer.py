@@ -75,7 +75,7 @@ class RLConfig:
     problem_count: tuple[int, int] = (3, 3)
     lora_rank: int = 0  # 0 = full fine-tuning
     lora_alpha: float = 16.0
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_targets: tuple[str, ...] | None = None  # None: the model's attention projections (`attention_targets`)
     trainer_mesh: str = ""  # a mesh spec (`jaxalign.make_mesh`), e.g. "data=2,expert=2,tensor=2"; "" = one device
     engine_mesh: str = ""  # with several processes: a mesh over each process's own devices
 
