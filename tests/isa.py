@@ -28,6 +28,19 @@ def child_env(*xla_flags: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def probe_with_flag(code: str, flag: str, value: str) -> str:
+    """Run the Python `code` in a fresh process whose XLA_FLAGS are this one's (`child_xla_flags`, e.g. an ISA
+    cap kept) with `flag` set to `value` instead of any setting of it; the last line it prints."""
+    import subprocess
+    import sys
+    kept = [f for f in child_xla_flags().split() if not f.startswith(flag + "=")]
+    env = dict(os.environ, XLA_FLAGS=" ".join(kept + [f"{flag}={value}"]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
 def current_isa() -> str:
     """The ISA cap this process runs under (`native` without one)."""
     for flag in os.environ.get("XLA_FLAGS", "").split():

@@ -99,21 +99,13 @@ def test_excess_precision_is_off_and_would_make_bf16_bits_depend_on_fusion():
     RoPE differ by a bf16 ulp between them in an RL run). jaxalign turns excess precision off at import, so the
     two agree; a user who forces it back on gets the difference (each case in its own process)."""
     import os
-    import subprocess
-    import sys
 
     import jaxalign
-    from isa import child_xla_flags
+    from isa import probe_with_flag
 
     assert jaxalign.EXACT_LOW_PRECISION and "--xla_allow_excess_precision=false" in os.environ["XLA_FLAGS"]
-    gaps = {}
-    for flag in ("false", "true"):
-        kept = [f for f in child_xla_flags().split() if "xla_allow_excess_precision" not in f]  # e.g. an ISA cap
-        env = dict(os.environ, XLA_FLAGS=" ".join(kept + [f"--xla_allow_excess_precision={flag}"]))
-        out = subprocess.run([sys.executable, "-c", _FUSION_PROBE], env=env, capture_output=True, text=True,
-                             timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-        assert out.returncode == 0, out.stderr
-        gaps[flag] = float(out.stdout.strip().splitlines()[-1])
+    gaps = {flag: float(probe_with_flag(_FUSION_PROBE, "--xla_allow_excess_precision", flag))
+            for flag in ("false", "true")}
     assert gaps["false"] == 0.0
     assert gaps["true"] > 0.0
 

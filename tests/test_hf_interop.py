@@ -366,13 +366,7 @@ def test_dsa_selections_prefill_and_decode_match_transformers(tmp_path):
     picked = []
     hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, i, o: picked.append(o.clone()))
              for layer in model.model.layers]
-    with torch.no_grad():
-        out = model(torch.tensor(tokens[:, :8]), use_cache=True)
-        cache, steps = out.past_key_values, [out.logits[:, -1].float().numpy()]
-        for t in range(8, tokens.shape[1] - 1):
-            out = model(torch.tensor(tokens[:, t:t + 1]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            steps.append(out.logits[:, -1].float().numpy())
+    steps = _hf_cached_decode(model, tokens)
     for h in hooks:
         h.remove()
     n_layers = len(model.model.layers)
@@ -384,7 +378,20 @@ def test_dsa_selections_prefill_and_decode_match_transformers(tmp_path):
     replay = np.full(tokens.shape + (n_layers, k), -1, np.int32)
     replay[:, : decode_sel.shape[1]] = _visible(decode_sel)
     logits, _ = ours(tokens, policy=FP32, index_replay=replay)
-    assert np.abs(np.stack(steps, 1) - np.asarray(logits)[:, 7:-1]).max() <= 1e-4
+    assert np.abs(steps - np.asarray(logits)[:, 7:-1]).max() <= 1e-4
+
+
+def _hf_cached_decode(model, tokens, prefill: int = 8) -> np.ndarray:
+    """transformers' next-token logits [B, S-1-prefill+1, V]: a prefill of `prefill` tokens, then one token at a
+    time from its cache."""
+    with torch.no_grad():
+        out = model(torch.tensor(tokens[:, :prefill]), use_cache=True)
+        cache, steps = out.past_key_values, [out.logits[:, -1].float().numpy()]
+        for t in range(prefill, tokens.shape[1] - 1):
+            out = model(torch.tensor(tokens[:, t:t + 1]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits[:, -1].float().numpy())
+    return np.stack(steps, 1)
 
 
 def test_mla_cached_decode_of_transformers_matches_our_logits(tmp_path):
@@ -393,13 +400,7 @@ def test_mla_cached_decode_of_transformers_matches_our_logits(tmp_path):
     model = hf_model("deepseek_v3")
     ours = hf.load(_save(model, tmp_path / "dsv3"))
     tokens = _tokens(2, 20, seed=6)
-    with torch.no_grad():
-        out = model(torch.tensor(tokens[:, :8]), use_cache=True)
-        cache, steps = out.past_key_values, [out.logits[:, -1].float().numpy()]
-        for t in range(8, tokens.shape[1] - 1):
-            out = model(torch.tensor(tokens[:, t:t + 1]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            steps.append(out.logits[:, -1].float().numpy())
+    steps = _hf_cached_decode(model, tokens)
     logits = np.asarray(ours(tokens, policy=FP32)[0])[:, 7:-1]
     assert np.abs(logits).max() > 0.5
-    assert np.abs(np.stack(steps, 1) - logits).max() <= 1e-4
+    assert np.abs(steps - logits).max() <= 1e-4

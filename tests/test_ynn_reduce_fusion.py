@@ -18,7 +18,7 @@ import jaxalign
 from jaxalign import ModelConfig, NumericPolicy, Transformer, token_logprobs
 from jaxalign.runtime import YNN_REDUCE_OFF, _ynn_reduce_enabled
 
-from isa import child_xla_flags
+from isa import child_xla_flags, probe_with_flag
 
 ALIGNED = NumericPolicy.preset("aligned-bf16")
 CASE = os.path.join(os.path.dirname(__file__), "data", "rl_step34_case.npz")
@@ -100,14 +100,8 @@ def test_ynn_reduce_fusions_are_off_and_would_make_exp_depend_on_the_batch():
     """jaxalign sets the flag at import; a child that turns YNNPACK reduce fusions back on gets another exp for
     a [9728, 8] array than for its [38, 8] pieces (each case in its own process)."""
     assert jaxalign.EXACT_ELEMENTWISE and YNN_REDUCE_OFF in os.environ["XLA_FLAGS"]
-    rows = {}
-    for value in ("-reduce", "+reduce"):
-        kept = [f for f in child_xla_flags().split() if "xla_cpu_experimental_ynn_fusion_type" not in f]
-        env = dict(os.environ, XLA_FLAGS=" ".join(kept + [f"--xla_cpu_experimental_ynn_fusion_type={value}"]))
-        out = subprocess.run([sys.executable, "-c", _EXP_PROBE], env=env, capture_output=True, text=True,
-                             timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-        assert out.returncode == 0, out.stderr
-        rows[value] = int(out.stdout.strip().splitlines()[-1])
+    rows = {value: int(probe_with_flag(_EXP_PROBE, "--xla_cpu_experimental_ynn_fusion_type", value))
+            for value in ("-reduce", "+reduce")}
     assert rows["-reduce"] == 0
     assert rows["+reduce"] > 0
 
