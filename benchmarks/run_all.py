@@ -20,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-SCRIPTS = ["decode", "train_step", "alignment_cost", "gap_table", "mesh_gap"]
+SCRIPTS = ["decode", "train_step", "alignment_cost", "op_profile", "gap_table", "mesh_gap"]
 TIMED = ("decode", "train_step")  # jaxalign vs transformers: take --threads
 
 
@@ -75,6 +75,11 @@ def _train_step(record: dict) -> str:
                       f"{'met' if s['goal_met'] else 'not met'})."])
 
 
+def _op_profile(record: dict) -> str:
+    return "\n".join([_code(record["tables"]["op_profile"]), "", "The five ops with the most self time:", "",
+                      _code(record["tables"]["op_profile_top"])])
+
+
 def _gap_table(record: dict) -> str:
     from gap_table import COLUMNS
     from jaxalign.report import table
@@ -93,7 +98,8 @@ def _mesh_forward(record: dict) -> str:
 
 # marker name -> (result file, renderer)
 BLOCKS = {"alignment_cost": ("alignment_cost", _alignment_cost), "decode": ("decode", _decode),
-          "train_step": ("train_step", _train_step), "gap_table": ("gap_table", _gap_table),
+          "train_step": ("train_step", _train_step), "op_profile": ("op_profile", _op_profile),
+          "gap_table": ("gap_table", _gap_table),
           "mesh_compare": ("mesh_gap", _mesh_compare), "mesh_forward": ("mesh_gap", _mesh_forward)}
 DOCUMENTS = ["README.md", "docs/scaling.md", "docs/policies.md"]
 
