@@ -1,0 +1,36 @@
+"""tests/compile_profile.py, the plugin that measures the suite's compile time, run on a two-test file."""
+
+import json
+import os
+import subprocess
+import sys
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+_FILE = '''
+import jax, jax.numpy as jnp
+
+def test_compiles_one_program():
+    assert float(jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.arange(7.0)).sum()) != 0.0
+
+def test_compiles_nothing():
+    assert sum(range(4)) == 6
+'''
+
+
+def test_compile_profile_counts_each_tests_own_compiles(tmp_path):
+    (tmp_path / "test_two.py").write_text(_FILE)
+    out = tmp_path / "profile.jsonl"
+    out.write_text('{"test": "a stale row from an earlier run"}\n')  # replaced, not appended to
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}  # compile for real
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "compile_profile", "-p", "no:cacheprovider",
+                           f"--compile-profile={out}", "test_two.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["test"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"test_two.py::test_compiles_one_program", "test_two.py::test_compiles_nothing"}
+    jitted, plain = rows["test_two.py::test_compiles_one_program"], rows["test_two.py::test_compiles_nothing"]
+    assert jitted["compiles"] >= 1 and 0 < jitted["compile_s"] <= jitted["wall_s"]
+    assert plain["compiles"] == 0 and plain["compile_s"] == 0.0
+    assert "compile profile" in proc.stdout and "test_compiles_one_program" in proc.stdout
