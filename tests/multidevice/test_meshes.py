@@ -76,11 +76,9 @@ def test_parameters_are_sharded_as_the_rules_say(model, spec):
         assert layer == P("fsdp", "tensor") and experts == P(None, "fsdp", "tensor")
 
 
-@pytest.mark.parametrize("spec", ["data=4,tensor=2", "fsdp=2,expert=2,tensor=2"])
-def test_kv_cache_is_sharded(model, spec):
-    """KV cache [batch, slots, kv_heads, head_dim]: rows over the batch axes, kv heads over `tensor` (the tiny
-    model has 2 kv heads, so tensor=2)."""
-    mesh = make_mesh(spec)
+def _sharded_prefill_cache(model, mesh):
+    """The KV cache (16 slots) an aligned-bf16 prefill of 8 random 8-token rows leaves, parameters sharded on
+    `mesh`."""
     cfg = model.config
     graphdef, state = nnx.split(model)
 
@@ -91,7 +89,15 @@ def test_kv_cache_is_sharded(model, spec):
         return nnx.merge(graphdef, state).forward(tokens, ALIGNED, positions=positions, kv=kv)[2]
 
     with jax.set_mesh(mesh):
-        kv = prefill(shard_state(state, mesh), jnp.asarray(random_tokens(cfg, 8, 8)))
+        return prefill(shard_state(state, mesh), jnp.asarray(random_tokens(cfg, 8, 8)))
+
+
+@pytest.mark.parametrize("spec", ["data=4,tensor=2", "fsdp=2,expert=2,tensor=2"])
+def test_kv_cache_is_sharded(model, spec):
+    """KV cache [batch, slots, kv_heads, head_dim]: rows over the batch axes, kv heads over `tensor` (the tiny
+    model has 2 kv heads, so tensor=2)."""
+    mesh = make_mesh(spec)
+    kv = _sharded_prefill_cache(model, mesh)
     batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
     expected = (batch_axes[0] if len(batch_axes) == 1 else batch_axes, "tensor", None, None)  # [B, KVH, M, Dh]
     assert tuple(kv[0][0].sharding.spec) + (None,) * (4 - len(kv[0][0].sharding.spec)) == expected
@@ -195,16 +201,7 @@ def test_glm5_latent_cache_is_split_over_the_batch_and_generation_is_bitwise():
     from jaxalign.model.mla import LATENT_CACHE_AXES
     glm5 = build_model("tiny-glm5")
     cfg, mesh = glm5.config, make_mesh("data=4,tensor=2")
-    graphdef, state = nnx.split(glm5)
-
-    @jax.jit
-    def prefill(state, tokens):
-        kv = _empty_kv(cfg, tokens.shape[0], 16, ALIGNED)
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        return nnx.merge(graphdef, state).forward(tokens, ALIGNED, positions=positions, kv=kv)[2]
-
-    with jax.set_mesh(mesh):
-        kv = prefill(shard_state(state, mesh), jnp.asarray(random_tokens(cfg, 8, 8)))
+    kv = _sharded_prefill_cache(glm5, mesh)
     assert LATENT_CACHE_AXES == ("cache_batch", None, None, "cache_seq")
     spec = tuple(kv[0].sharding.spec)
     assert kv[0].shape[1:3] == (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim)
