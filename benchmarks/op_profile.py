@@ -124,7 +124,8 @@ def profile_call(fn, trace_dir: str) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policies", default=DEFAULT_POLICIES, help="';'-separated policies (a policy may hold commas: aligned-bf16,reduce=xla)")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES,
+                        help="';'-separated policies (a policy may hold commas: aligned-bf16,reduce=xla)")
     parser.add_argument("--model", default="bench")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -145,7 +146,10 @@ def main(argv=None) -> int:
     import jaxalign as ja
     from jaxalign import report
     names = [p for p in args.policies.split(";") if p]
-    policies = {name: ja.NumericPolicy.parse(name) for name in names}  # a bad name fails before any work
+    try:  # a bad policy stops the script before any work
+        policies = {name: ja.NumericPolicy.parse(name) for name in names}
+    except ValueError as exc:
+        parser.error(f"--policies: {exc}")
     model = ja.Transformer(ja.ModelConfig.preset(args.model), rngs=nnx.Rngs(0))
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)

@@ -20,7 +20,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-SCRIPTS = ["decode", "train_step", "alignment_cost", "op_profile", "gap_table", "mesh_gap"]
+SCRIPTS = ["decode", "train_step", "alignment_cost", "op_profile", "op_profile_decode64", "gap_table", "mesh_gap"]
+# a benchmark that is a script run with other arguments: name -> (script, arguments)
+VARIANTS = {"op_profile_decode64": ("op_profile", ["--policies", "fp32,dispatch=bucketed;fp32", "--batch", "64",
+                                                   "--out", "benchmarks/results/op_profile_decode64.json"])}
 TIMED = ("decode", "train_step")  # jaxalign vs transformers: take --threads
 
 
@@ -152,8 +155,9 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             extra = [f"--threads={args.threads}"] if args.threads and name in TIMED else []
             print(f"=== {name} {' '.join(extra)}", flush=True)
-            code = subprocess.run([sys.executable, os.path.join(HERE, f"{name}.py"), *extra], cwd=ROOT,
-                                  env=env).returncode
+            script, variant_args = VARIANTS.get(name, (name, []))
+            code = subprocess.run([sys.executable, os.path.join(HERE, f"{script}.py"), *variant_args, *extra],
+                                  cwd=ROOT, env=env).returncode
             print(f"=== {name}: exit {code}, {time.perf_counter() - start:.0f} s", flush=True)
             if code:
                 failed.append(name)
