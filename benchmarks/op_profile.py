@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     prompts = list(rng.integers(1, vocab, (args.batch, args.prompt_len)).astype(np.int32))
     tokens = jnp.asarray(rng.integers(0, vocab, (args.train_batch, args.train_len)), jnp.int32)
-    rows, tops = [], {}
+    rows = []
     with tempfile.TemporaryDirectory(prefix="jaxalign-op-profile-") as tmp:
         for name in names:
             engine = ja.Engine(model, policies[name])
@@ -171,16 +171,14 @@ def main(argv=None) -> int:
                        "op_executions": prof["op_executions"]}
                 row.update({f"{c} share": prof["share"][c] for c in CATEGORIES})
                 row["matmul executions"] = prof["executions"]["matmul"]
+                print(report.table([row], list(row)), flush=True)
                 rows.append(dict(row, profile=prof))
-                tops[f"{name} {side}"] = prof["top_ops"]
-                print(report.table([{k: v for k, v in row.items()}], list(row)), flush=True)
     columns = ["policy", "side", "plain_s", "traced_s", "op_executions", "matmul executions"] + \
         [f"{c} share" for c in CATEGORIES]
     tables = {"op_profile": report.table(rows, columns)}
-    top_lines = []
-    for key, top in tops.items():
-        top_lines.append(f"{key}: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in top[:5]))
-    tables["op_profile_top"] = "\n".join(top_lines)
+    tables["op_profile_top"] = "\n".join(
+        f"{r['policy']} {r['side']}: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in r["profile"]["top_ops"][:5])
+        for r in rows)
     print(f"model {args.model}; engine: batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"greedy; trainer: forward+backward on [{args.train_batch}, {args.train_len}]; {n_threads} threads")
     print(tables["op_profile"])
