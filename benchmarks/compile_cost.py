@@ -1,0 +1,67 @@
+"""What a program costs to compile under each policy: fusions in the optimized HLO and XLA:CPU compile seconds.
+
+    python benchmarks/compile_cost.py [--policies "fp32;aligned-bf16"] [--model tiny] [--layers 2,1]
+
+For each policy and layer count, the jitted gradient of the summed token logprobs (the trainer's program) on
+[8, 24] tokens of the model is lowered and compiled once, fresh (the persistent compilation cache is switched
+off), and the fusions of the compiled module counted. The suite's time is mostly this compile (README, Set-up).
+Writes benchmarks/results/compile_cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_json  # noqa: E402,I001
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policies", default="fp32;aligned-bf16", help="';'-separated policies")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--layers", default="2,1", help="comma-separated layer counts")
+    parser.add_argument("--out", default="benchmarks/results/compile_cost.json")
+    args = parser.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import jaxalign as ja
+    from jaxalign import report
+    from jaxalign.model.scoring import sequence_logprobs
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        policies = {p: ja.NumericPolicy.parse(p) for p in args.policies.split(";") if p}
+        layers = [int(n) for n in args.layers.split(",")]
+    except ValueError as exc:
+        parser.error(str(exc))
+    rows = []
+    for n_layers in layers:
+        cfg = dataclasses.replace(ja.ModelConfig.preset(args.model), n_layers=n_layers)
+        graphdef, state = nnx.split(ja.Transformer(cfg, rngs=nnx.Rngs(0)))
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 24)), jnp.int32)
+        for name, policy in policies.items():
+            grad = jax.jit(jax.grad(lambda s, t, p=policy: sequence_logprobs(nnx.merge(graphdef, s), t, p)[0].sum()))
+            lowered = grad.lower(state, tokens)
+            start = time.perf_counter()
+            compiled = lowered.compile()
+            seconds = time.perf_counter() - start
+            fusions = len(re.findall(r"^\s*%?[\w.\-]+ = \S+ fusion\(", compiled.as_text(), re.M))
+            rows.append({"policy": name, "model": args.model, "n_layers": n_layers, "fusions": fusions,
+                         "compile_s": seconds})
+            print(report.table(rows[-1:], list(rows[-1])), flush=True)
+    table = report.table(rows, ["policy", "model", "n_layers", "fusions", "compile_s"])
+    print(table)
+    write_json(args.out, {"args": vars(args), "rows": rows, "tables": {"compile_cost": table}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
