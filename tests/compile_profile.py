@@ -4,9 +4,10 @@
 
 For every test it records wall seconds and the seconds JAX reports (`jax.monitoring` duration events) for
 tracing to a jaxpr, lowering to StableHLO and the backend compile, with the number of backend compiles, and the
-compile time the persistent cache saved. Rows are appended to FILE (default `compile_profile.jsonl`; one JSON
-object per line, from every xdist worker), and the terminal summary lists the tests with the most backend
-compile time. Tests that run pytest or the CLI in a subprocess (the ISA legs, the multidevice suite) show only
+compile time the persistent cache saved, and which lines asked for the compiles (`sites`: the innermost
+frame outside the interpreter's libraries -- jaxalign's or the test's own code -- with its compile seconds and
+count). Rows are appended to FILE (default `compile_profile.jsonl`; one JSON object per line, from every xdist
+worker), and the terminal summary lists the tests and the call sites with the most backend compile time. Tests that run pytest or the CLI in a subprocess (the ISA legs, the multidevice suite) show only
 their wall time: their compiles happen in the child.
 """
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sysconfig
 import time
+import traceback
 
 import pytest
 
@@ -26,14 +29,31 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
 
 _seconds: collections.Counter = collections.Counter()
 _counts: collections.Counter = collections.Counter()
+_site_seconds: collections.Counter = collections.Counter()
+_site_counts: collections.Counter = collections.Counter()
 _rows: list[dict] = []
+_LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _call_site() -> str:
+    """`path:line:function` of the innermost frame that is neither the interpreter's libraries (jax, flax, the
+    standard library, installed packages) nor this plugin: the project line whose call compiled."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_LIBRARIES) and frame.filename != __file__ \
+                and not frame.filename.startswith("<"):
+            return f"{os.path.relpath(frame.filename)}:{frame.lineno}:{frame.name}"
+    return "?"
 
 
 def _listener(event: str, duration: float, **_) -> None:
-    """Add one JAX duration event to the running totals."""
+    """Add one JAX duration event to the running totals (a backend compile also to its call site's)."""
     if event in EVENTS:
         _seconds[EVENTS[event]] += duration
         _counts[EVENTS[event]] += 1
+    if EVENTS.get(event) == "compile_s":
+        site = _call_site()
+        _site_seconds[site] += duration
+        _site_counts[site] += 1
 
 
 def pytest_addoption(parser):
@@ -54,10 +74,13 @@ def pytest_configure(config):
 def pytest_runtest_protocol(item, nextitem):
     """One row per test: the events recorded while it ran (setup, call and teardown)."""
     seconds, counts, start = dict(_seconds), dict(_counts), time.perf_counter()
+    _site_seconds.clear()
+    _site_counts.clear()
     yield
     row = {"test": item.nodeid, "wall_s": time.perf_counter() - start}
     row.update({name: _seconds[name] - seconds.get(name, 0.0) for name in EVENTS.values()})
     row["compiles"] = _counts["compile_s"] - counts.get("compile_s", 0)
+    row["sites"] = {site: [s, _site_counts[site]] for site, s in _site_seconds.most_common()}
     _rows.append(row)
 
 
@@ -69,7 +92,7 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """The total compile share and the 15 tests with the most backend compile time."""
+    """The total compile share, and the 15 tests and the 15 call sites with the most backend compile time."""
     path = config.getoption("--compile-profile")
     if not os.path.exists(path):
         return
@@ -82,3 +105,11 @@ def pytest_terminal_summary(terminalreporter, config):
     for r in sorted(rows, key=lambda r: -r["compile_s"])[:15]:
         terminalreporter.write_line(f"{r['compile_s']:7.1f} s compile in {r['compiles']:4d} programs, "
                                     f"{r['wall_s']:7.1f} s wall  {r['test']}")
+    sites, site_counts = collections.Counter(), collections.Counter()
+    for r in rows:
+        for site, (s, n) in r.get("sites", {}).items():
+            sites[site] += s
+            site_counts[site] += n
+    terminalreporter.write_sep("-", "call sites with the most backend compile time")
+    for site, s in sites.most_common(15):
+        terminalreporter.write_line(f"{s:7.1f} s compile in {site_counts[site]:4d} programs  {site}")

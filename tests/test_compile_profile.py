@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 _FILE = '''
@@ -33,4 +35,9 @@ def test_compile_profile_counts_each_tests_own_compiles(tmp_path):
     jitted, plain = rows["test_two.py::test_compiles_one_program"], rows["test_two.py::test_compiles_nothing"]
     assert jitted["compiles"] >= 1 and 0 < jitted["compile_s"] <= jitted["wall_s"]
     assert plain["compiles"] == 0 and plain["compile_s"] == 0.0
+    # the compile is charged to the test's own line that called the jitted function (jax's frames skipped)
+    site = "test_two.py:5:test_compiles_one_program"
+    assert set(jitted["sites"]) == {site} and jitted["sites"][site][1] == jitted["compiles"]
+    assert jitted["sites"][site][0] == pytest.approx(jitted["compile_s"]) and plain["sites"] == {}
     assert "compile profile" in proc.stdout and "test_compiles_one_program" in proc.stdout
+    assert "call sites with the most backend compile time" in proc.stdout and site in proc.stdout

@@ -6,6 +6,8 @@ sites (gather/bucketed/capacity dispatch, emulated bf16 accumulation, tiled kern
 dot whose precision or accumulation is left to the backend. Lowering only: nothing is compiled.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,8 @@ from jax import lax
 
 from jaxalign.align.audit import PROGRAMS, audit, lower_programs, lower_rl_update, products
 from jaxalign.numerics import PRESETS, NumericPolicy
-from jaxalign.numerics.precision import check_backend, runs_on
+from jaxalign.numerics.platforms import float16_error
+from jaxalign.numerics.precision import check_backend, float16_fields, runs_on
 
 from conftest import build_lora_model, build_model, forward_logits, random_tokens
 
@@ -76,7 +79,10 @@ def test_presets_the_cpu_cannot_run_fail_early_and_clearly():
     """`fp32-tf32` names TF32, which JAX refuses on XLA:CPU: the error names the field, the value, the backend
     and what is allowed, and comes at trace time (before any compile)."""
     policy = NumericPolicy.preset("fp32-tf32")
-    assert [n for n in PRESETS if n not in RUNNABLE] == (["fp32-tf32"] if jax.default_backend() == "cpu" else [])
+    # fp16 as well where XLA:CPU cannot compile float16 (test_float16_is_refused_where_xla_cpu_cannot_compile_it)
+    no_f16 = ["fp16"] if jax.default_backend() == "cpu" and float16_error() else []
+    assert [n for n in PRESETS if n not in RUNNABLE] == (["fp32-tf32"] + no_f16 if jax.default_backend() == "cpu"
+                                                         else [])
     if jax.default_backend() != "cpu":
         pytest.skip("TF32 runs on this backend")
     for call in (lambda: check_backend(policy),
@@ -86,6 +92,46 @@ def test_presets_the_cpu_cannot_run_fail_early_and_clearly():
                                              r"(f32, bf16, f16|same, f32), DEFAULT, .*BF16_BF16_F32"):
             call()
     assert runs_on(policy, "gpu")
+
+
+# In a fresh process under the ISA cap given: whether fp16 and aligned-bf16 can run, and check_backend's message
+_FLOAT16_PROBE = """
+import json
+from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics.platforms import float16_error
+from jaxalign.numerics.precision import check_backend, runs_on
+try:
+    check_backend(NumericPolicy.parse("fp32,kv=f16"), label="--engine")
+    message = None
+except ValueError as exc:
+    message = str(exc)
+print(json.dumps({"error": float16_error(), "fp16": runs_on(NumericPolicy.preset("fp16")),
+                  "aligned": runs_on(NumericPolicy.preset("aligned-bf16")), "message": message}))
+"""
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU limitation")
+def test_float16_is_refused_where_xla_cpu_cannot_compile_it():
+    """Without F16C (here: `--xla_cpu_max_isa=SSE4_2`) jaxlib 0.10.2's XLA:CPU cannot load any float16 program
+    (its JIT lacks compiler-rt's half conversions). `check_backend` then refuses every policy with an f16 field,
+    naming the fields, the flags and what is allowed, instead of the compile failing deep inside a run; under
+    AVX (F16C) float16 compiles and runs."""
+    import json
+
+    from isa import probe_with_flag
+    assert float16_fields(NumericPolicy.preset("fp16")) == ["param_dtype", "compute_dtype", "kv_cache_dtype"]
+    assert float16_fields(NumericPolicy.parse("fp32,matmul=F16_F16_F16")) == ["matmul_acc"]
+    assert float16_fields(NumericPolicy.preset("aligned-bf16")) == []
+    sse = json.loads(probe_with_flag(_FLOAT16_PROBE, "--xla_cpu_max_isa", "SSE4_2"))
+    assert "materialize symbols" in sse["error"] and not sse["fp16"] and sse["aligned"]
+    assert re.search(r"--engine: NumericPolicy.kv_cache_dtype = 'f16' needs float16, which XLA:CPU cannot "
+                     r"compile .*--xla_cpu_max_isa=SSE4_2.*allowed here: f32, bf16", sse["message"])
+    avx = json.loads(probe_with_flag(_FLOAT16_PROBE, "--xla_cpu_max_isa", "AVX"))
+    assert avx == {"error": None, "fp16": True, "aligned": True, "message": None}
+    if float16_error() is None:  # this host: an fp16 program really runs
+        out = forward_logits(build_model("tiny"), random_tokens(build_model("tiny").config, 1, 4),
+                             NumericPolicy.preset("fp16"))[0]
+        assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
 def _lowered(policy, program):

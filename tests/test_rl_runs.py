@@ -118,8 +118,11 @@ def test_resuming_on_another_host_warns_naming_the_difference(tmp_path):
     record = rundir.make_record({"a": 1})
     rundir.claim(str(tmp_path), record)
     other = json.loads(json.dumps(record))
-    other["host"]["isa"] = "SSE4_2 (XLA_FLAGS)"
-    with pytest.warns(UserWarning, match=r"host.isa: .*-> 'SSE4_2 \(XLA_FLAGS\)'"):
+    # an ISA this run is not on (a run under XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 records that one already)
+    isa = "AVX2" if record["host"]["isa"].startswith("SSE4_2") else "SSE4_2"
+    other["host"]["isa"] = f"{isa} (XLA_FLAGS)"
+    assert other["host"]["isa"] != record["host"]["isa"]
+    with pytest.warns(UserWarning, match=rf"host.isa: .*-> '{isa} \(XLA_FLAGS\)'"):
         rundir.claim(str(tmp_path), other)
 
 

@@ -8,9 +8,11 @@ host (Pallas' TPU interpreter for 'tpu', which simulates its memory spaces).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import jax
+import jax.numpy as jnp
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 _simulated: str | None = None
@@ -26,6 +28,23 @@ def host_platform() -> str:
 def platform() -> str:
     """The platform kernels are chosen for: the simulated one inside `simulate`, else `host_platform()`."""
     return _simulated or host_platform()
+
+
+@functools.lru_cache(maxsize=None)
+def float16_error(backend: str = "cpu") -> str | None:
+    """None when XLA on `backend` compiles float16 arithmetic; otherwise XLA's error, in one line.
+
+    jaxlib 0.10.2's XLA:CPU converts float16 with F16C instructions; where the target has no F16C (an SSE4.2-only
+    CPU, or `XLA_FLAGS=--xla_cpu_max_isa=SSE4_2` on any x86 host) it emits calls to compiler-rt's
+    `__extendhfsf2`/`__truncsfhf2`, which its JIT does not link, so every program that touches float16 fails to
+    load ("Failed to materialize symbols"). One tiny compile per backend and process, lowered on its own (so it
+    also runs while another function is being traced)."""
+    f16_round_trip = jax.jit(lambda v: (v.astype(jnp.float16) + 1).astype(jnp.float32), backend=backend)
+    try:
+        f16_round_trip.lower(jax.ShapeDtypeStruct((2,), jnp.float32)).compile()
+    except jax.errors.JaxRuntimeError as exc:
+        return str(exc).splitlines()[0]
+    return None
 
 
 def interpret_mode(target: str):

@@ -14,18 +14,22 @@ TF32 on an Ampere/Hopper GPU, full float32 on XLA:CPU. So every product jaxalign
 
 XLA:CPU ignores the algorithm (JAX converts no f32 operand for it), so on the CPU the presets change the
 program, not the numbers; JAX refuses TF32 and a few others on the CPU. `check_backend` says so before a
-program is built.
+program is built, and also refuses float16 (an `f16` field, or an F16 algorithm) where XLA:CPU cannot compile
+it: a target without F16C, e.g. `XLA_FLAGS=--xla_cpu_max_isa=SSE4_2` (`platforms.float16_error`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxalign.numerics.platforms import float16_error
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.policy_values import DotAlgorithm, DType
 
@@ -160,12 +164,27 @@ def runs_on(policy: NumericPolicy, backend: str | None = None) -> bool:
     return True
 
 
+def float16_fields(policy: NumericPolicy) -> list[str]:
+    """The policy's fields that compute in float16: an `f16` dtype, or a dot algorithm with F16 operands."""
+    return [f.name for f in dataclasses.fields(policy)
+            if getattr(policy, f.name) == DType.f16
+            or (isinstance(getattr(policy, f.name), DotAlgorithm) and getattr(policy, f.name).name.startswith("F16"))]
+
+
 def check_backend(policy: NumericPolicy, backend: str | None = None, *, label: str = "policy") -> None:
     """Raise ValueError, naming the field, its value, the backend and what it allows, when `policy` asks for a
-    dot algorithm the backend cannot run. Cheap: call it before anything long starts."""
+    dot algorithm the backend cannot run, or float16 where XLA:CPU cannot compile it. Cheap (the float16 probe
+    compiles once per process): call it before anything long starts."""
     backend = backend or jax.default_backend()
     if backend != "cpu":
         return  # GPU/TPU compilers check the algorithm against the device themselves
+    f16_fields = float16_fields(policy)
+    if f16_fields and float16_error(backend):
+        flags = os.environ.get("XLA_FLAGS", "")
+        raise ValueError(f"{label}: {', '.join(f'NumericPolicy.{f} = {getattr(policy, f)!r}' for f in f16_fields)} "
+                         f"needs float16, which XLA:CPU cannot compile for this target (no F16C"
+                         f"{'; XLA_FLAGS=' + flags if flags else ''}; JAX {jax.__version__}: "
+                         f"{float16_error(backend)}); allowed here: f32, bf16")
     for field, plain in (("matmul_acc", ("f32", "bf16", "f16")), ("matmul_bwd", ("same", "f32"))):
         value = getattr(policy, field)
         if not isinstance(value, DotAlgorithm) or value.name in CPU_DOT_ALGORITHMS:
