@@ -166,9 +166,9 @@ def runs_on(policy: NumericPolicy, backend: str | None = None) -> bool:
 
 def float16_fields(policy: NumericPolicy) -> list[str]:
     """The policy's fields that compute in float16: an `f16` dtype, or a dot algorithm with F16 operands."""
-    return [f.name for f in dataclasses.fields(policy)
-            if getattr(policy, f.name) == DType.f16
-            or (isinstance(getattr(policy, f.name), DotAlgorithm) and getattr(policy, f.name).name.startswith("F16"))]
+    values = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+    return [name for name, value in values.items()
+            if value == DType.f16 or (isinstance(value, DotAlgorithm) and value.name.startswith("F16"))]
 
 
 def check_backend(policy: NumericPolicy, backend: str | None = None, *, label: str = "policy") -> None:
@@ -179,12 +179,13 @@ def check_backend(policy: NumericPolicy, backend: str | None = None, *, label: s
     if backend != "cpu":
         return  # GPU/TPU compilers check the algorithm against the device themselves
     f16_fields = float16_fields(policy)
-    if f16_fields and float16_error(backend):
+    why = float16_error(backend) if f16_fields else None
+    if why:
         flags = os.environ.get("XLA_FLAGS", "")
         raise ValueError(f"{label}: {', '.join(f'NumericPolicy.{f} = {getattr(policy, f)!r}' for f in f16_fields)} "
                          f"needs float16, which XLA:CPU cannot compile for this target (no F16C"
                          f"{'; XLA_FLAGS=' + flags if flags else ''}; JAX {jax.__version__}: "
-                         f"{float16_error(backend)}); allowed here: f32, bf16")
+                         f"{why}); allowed here: f32, bf16")
     for field, plain in (("matmul_acc", ("f32", "bf16", "f16")), ("matmul_bwd", ("same", "f32"))):
         value = getattr(policy, field)
         if not isinstance(value, DotAlgorithm) or value.name in CPU_DOT_ALGORITHMS:
