@@ -93,12 +93,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _leave_out_leg_repeats(config, items):
-    """In an ISA leg, deselect the cases tests/isa.py LEG_REPEATS lists (after checking the list against the
-    suite: only where the whole suite is collected, as a leg does)."""
-    from isa import LEG_REPEATS, leg_repeat_errors
+    """In an ISA leg, deselect the cases tests/isa.py LEG_REPEATS lists, after checking the list against the
+    collection: the whole suite's entries where the whole suite is collected (as a leg does), the multidevice
+    suite's where that suite is (its own process, which a leg starts)."""
+    from isa import LEG_REPEATS, MULTIDEVICE, leg_repeat_errors
     ids = {item.nodeid for item in items}
-    if any(nodeid.startswith("tests/test_isa_matrix.py::") for nodeid in ids):  # the whole suite
-        errors = leg_repeat_errors({item.nodeid for item in items if item.get_closest_marker("bitwise")}, ids)
+    whole = any(nodeid.startswith("tests/test_isa_matrix.py::") for nodeid in ids)
+    multidevice = any(nodeid.startswith(MULTIDEVICE) for nodeid in ids)
+    if whole or multidevice:  # the whole suite, or the multidevice suite in its own process
+        bitwise = {item.nodeid for item in items if item.get_closest_marker("bitwise")}
+        errors = leg_repeat_errors(bitwise, ids, multidevice=multidevice and not whole)
         if errors:
             raise pytest.UsageError("tests/isa.py LEG_REPEATS: " + "; ".join(errors))
     dropped = [item for item in items if item.nodeid in LEG_REPEATS]

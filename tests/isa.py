@@ -53,6 +53,7 @@ def current_isa() -> str:
 # case already makes under the leg's ISA, so a leg leaves them out (the native run keeps every case). Each maps to
 # the case the leg still runs for that claim; tests/conftest.py checks both exist and are `bitwise` whenever a
 # leg collects the suite. A new bitwise test runs in the legs unless it is listed here.
+MULTIDEVICE = "tests/multidevice/test_meshes.py::"  # collected only in the multidevice suite's own process
 LEG_REPEATS = {
     # trainer == engine bitwise: the continuous schedule's case (batches 3 and 8), and the static one with a
     # chunked prefill; the engine's invariance to batch 1/8/32, schedule and chunk by test_engine's case
@@ -73,13 +74,23 @@ LEG_REPEATS = {
         "tests/test_knobs.py::test_knob_changes_numbers_and_restores[mla=absorbed0]",
     "tests/test_knobs.py::test_knob_changes_numbers_and_restores[index_scores_dtype=bf16_1]":
         "tests/test_knobs.py::test_knob_changes_numbers_and_restores[index_scores_dtype=bf16_0]",
+    # RL on a trainer mesh == one device, bitwise: its numerics are the leg's narrower mesh cases on the same
+    # mesh -- the loss and every gradient (this cover), the engine's generation, the ordered logprobs -- plus the
+    # optimizer's program-independent update (tests/test_optimizer.py) and the loss's order
+    # (tests/test_rl_algorithm.py), all in the leg; the run itself (~40% of a leg's multidevice time, its
+    # programs compiled for no other test) runs natively
+    MULTIDEVICE + "test_rl_run_on_a_trainer_mesh_matches_one_device_bitwise":
+        MULTIDEVICE + "test_aligned_gradients_are_bitwise_on_every_mesh[data=2,expert=2,tensor=2]",
 }
 
 
-def leg_repeat_errors(bitwise_ids: set[str], all_ids: set[str]) -> list[str]:
-    """What is wrong with LEG_REPEATS given the collected node ids (all, and those marked `bitwise`)."""
+def leg_repeat_errors(bitwise_ids: set[str], all_ids: set[str], multidevice: bool = False) -> list[str]:
+    """What is wrong with the LEG_REPEATS entries of one collection -- the whole suite, or with `multidevice`
+    the multidevice suite's own -- given its node ids (all, and those marked `bitwise`)."""
     errors = []
     for dropped, cover in LEG_REPEATS.items():
+        if dropped.startswith(MULTIDEVICE) != multidevice:
+            continue
         for role, nodeid in (("left out", dropped), ("covering case", cover)):
             if nodeid not in all_ids:
                 errors.append(f"{role} {nodeid!r} is not a test of the suite (renamed?)")

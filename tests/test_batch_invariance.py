@@ -50,7 +50,7 @@ def test_aligned_forward_is_batch_and_position_invariant():
     model = build_model("tiny")
     pool = random_tokens(model.config, 32, 16, seed=4)
     alone = np.stack([np.asarray(forward_logits(model, pool[i:i + 1], ALIGNED)[0])[0] for i in range(32)])
-    for batch in (2, 3, 5, 8, 13, 32):
+    for batch in (3, 8, 13, 32):  # part of a row tile (tiled:8), one tile, one and a part, four
         got = np.asarray(forward_logits(model, pool[:batch], ALIGNED)[0])
         np.testing.assert_array_equal(got, alone[:batch], err_msg=f"batch {batch}")
     order = np.random.default_rng(5).permutation(32)

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 import jaxalign as ja
-from jaxalign.align.compare import score_rollout
+from jaxalign.align.compare import random_prompts, score_rollout
 from jaxalign.engine.kernels import _sample
 from jaxalign.numerics.sampling import SamplingParams
 
@@ -121,15 +121,21 @@ def test_sampling_frequencies_pass_chi_square(kw, expected):
 
 
 @pytest.mark.bitwise
-def test_aligned_request_is_invariant_to_batch_and_slot(model):
-    prompts = _prompts(32, seed=4)
-    kw = dict(max_new_tokens=8, temperature=1.0, seed=11, eos_id=1)
-    alone = [ja.generate(model, [prompts[i]], ALIGNED, request_ids=[i], **kw) for i in (0, 5, 31)]
+def test_aligned_request_is_invariant_to_batch_and_slot():
+    """A request's completion, logprobs and experts are the same alone, in static batches of 8 and 32, in
+    continuous batching over 3 slots and with a chunked prefill. The model, prompts and settings are those of
+    tests/test_alignment.py's bitwise case (`compare` on `small`: 32 prompts, 12 new tokens, seed 1), whose
+    engine batches and schedules these are, so a run compiles their engine programs once for both claims."""
+    model = build_model("small")
+    prompts = random_prompts(model.config.vocab_size, 32, 1, max_len=16)
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=1)
+    alone = [ja.generate(model, [prompts[i]], ALIGNED, request_ids=[i], batch_size=1, **kw) for i in (0, 5, 31)]
     runs = [ja.generate(model, prompts, ALIGNED, batch_size=8, **kw),
             ja.generate(model, prompts, ALIGNED, batch_size=32, **kw),
-            ja.generate(model, prompts, ALIGNED, batch_size=5, schedule="continuous", **kw),
+            ja.generate(model, prompts, ALIGNED, batch_size=3, schedule="continuous", **kw),
             ja.generate(model, prompts, ALIGNED, batch_size=8, prefill_chunk=4, **kw)]
     assert runs[2].stats["compiles"] <= 1
+    assert len({len(p) for p in prompts}) > 1  # slots of continuous batching free up at different steps
     for run in runs:
         for j, i in enumerate((0, 5, 31)):
             np.testing.assert_array_equal(run.completion(i), alone[j].completion(0))

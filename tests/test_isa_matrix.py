@@ -11,8 +11,9 @@ leg collects the suite). All the run's processes share one persistent compilatio
 key hashes XLA_FLAGS, so a leg compiles its own executables (the last test here proves it).
 
 Inside a leg the multidevice suite (tests/test_meshes.py) runs only its `bitwise` cases, a representative mesh
-per claim, and the two-process test does not run: its numerics are the single-process mesh RL run's (marked),
-and what it adds (gloo, checkpoints) does not depend on the ISA.
+per claim, less its RL run on a mesh (a LEG_REPEATS entry: the leg's gradient, generation and logprob cases on
+that mesh, the optimizer's and the loss's order tests are its numerics); the two-process test does not run
+either: its numerics are the mesh RL run's, and what it adds (gloo, checkpoints) does not depend on the ISA.
 
 Each leg is one pytest process of its own (`-n 0`: no workers of its own), and one unit of the suite's two
 xdist workers, scheduled first (tests/conftest.py, LONGEST_FIRST)."""

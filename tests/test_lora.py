@@ -97,12 +97,10 @@ def test_mla_targets_default_to_its_projections_and_bad_targets_are_refused():
     assert glm5.blocks[0].attn.indexer.wq_b.lora_a is None  # the indexer is not adapted
 
 
-@pytest.mark.bitwise
 def test_kv_b_adapter_equals_its_merged_weight_in_both_mla_forms():
     """kv_b_proj's weight is read inside MLA (split into the key and value up-projections, absorbed into the query
     in the engine's form), not through a Linear call: its adapter must act there. In float32 the unmerged low-rank
-    path equals the model with the adapter folded into the weight (within 1e-5), in both forms; in bf16 merged and
-    unmerged differ (the `lora` knob on MLA)."""
+    path equals the model with the adapter folded into the weight (within 1e-5), in both forms."""
     from jaxalign.model.lora import merge_lora_for_serving
     model = _mla_lora_model("tiny-deepseek-v3", targets=("kv_b_proj",))
     tokens = random_tokens(model.config, 2, 8)
@@ -115,9 +113,19 @@ def test_kv_b_adapter_equals_its_merged_weight_in_both_mla_forms():
         assert np.abs(reference - base).max() > 1e-2  # the adapter changes the function
         unmerged = np.asarray(forward_logits(model, tokens, fp32.replace(mla=form, lora="unmerged"))[0])
         np.testing.assert_allclose(unmerged, reference, rtol=0, atol=1e-5 * np.abs(reference).max())
-        bf16 = [np.asarray(forward_logits(model, tokens, ALIGNED.replace(mla=form, lora=m))[0], np.float32)
-                for m in ("merged", "unmerged")]
-        assert not np.array_equal(*bf16), form
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_lora_knob_on_the_kv_b_adapter_changes_bf16_numbers_in_both_mla_forms(form):
+    """The `lora` knob on MLA: in bf16, kv_b_proj's adapter folded into the weight (merged) and applied as its
+    low-rank path (unmerged) round differently, in both forms (the bitwise half of the test above, the half
+    the ISA legs rerun)."""
+    model = _mla_lora_model("tiny-deepseek-v3", targets=("kv_b_proj",))
+    tokens = random_tokens(model.config, 2, 8)
+    bf16 = [np.asarray(forward_logits(model, tokens, ALIGNED.replace(mla=form, lora=m))[0], np.float32)
+            for m in ("merged", "unmerged")]
+    assert not np.array_equal(*bf16), form
 
 
 @pytest.mark.bitwise
