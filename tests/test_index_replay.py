@@ -128,7 +128,7 @@ def test_router_gets_no_gradient_through_replayed_weights():
             lp, _ = sequence_logprobs(nnx.merge(graphdef, p), tokens, fp32, replay=rec.indices,
                                       replay_weights=weights)
             return (lp * mask).sum()  # completion tokens, as the policy loss: every position they read is replayed
-        g = jax.grad(loss)(params)
+        g = jax.jit(jax.grad(loss))(params)  # one program (op by op it compiled ~150 eager ones)
         moe = g.blocks[model.config.moe_layers[0]].mlp
         return moe.router[...], moe.w_up[...]
 
