@@ -1,6 +1,7 @@
 """`jaxalign check`: exit 0 for a pair that claims alignment and holds it, 1 for a pair with a gap above the
 threshold, 2 (before the model loads) for a policy the backend cannot run. Small settings: tiny model, engine
-batch 4, probe batches 1 and 3.
+batch 4, probe batches 1 and 3; the two passing pairs take the gap settings of the bitwise engine tests whose
+programs they share (tests/test_alignment.py, tests/test_mla.py).
 
 The failing pair is the README's typical `train-bf16` trainer and `serve-bf16` engine: its k3 (~3e-4 here) is under
 the seed's 1e-3 "equivalent" threshold, but it flips router decisions, which `check` does not accept by default
@@ -23,7 +24,10 @@ def _run(capsys, *args):
 
 
 def test_aligned_pair_passes(capsys):
-    code, out = _run(capsys, "--trainer", "aligned-bf16", "--engine", "aligned-bf16")
+    # the gap settings of tests/test_alignment.py's bitwise cases (`small`, 32 prompts, 12 new tokens, seed 1, batch
+    # 8: static, continuous and chunked by 4): a run compiles those engine and scoring programs once for both
+    code, out = _run(capsys, "--trainer", "aligned-bf16", "--engine", "aligned-bf16", "--model", "small",
+                     "--engine-batch", "8", "--prompts", "32", "--max-new-tokens", "12", "--seed", "1")
     assert code == 0, out.out
     assert f"backend {jax.default_backend()}" in out.out and "CPU ISA" in out.out and "claims alignment: True" in out.out
     assert out.out.rstrip().endswith("PASS") and "FAIL" not in out.out
@@ -70,9 +74,11 @@ def test_policy_the_backend_cannot_run_is_refused_first(capsys):
 
 def test_glm5_aligned_pair_passes_with_latent_attention_and_indexer_probes(capsys):
     """tiny-glm5 (MLA + DSA indexer): the attention probes are the model's own (`mla_attention` over the keys
-    the indexer selects, and the indexer's scores), and the gaps count index flips."""
+    the indexer selects, and the indexer's scores), and the gaps count index flips. The gap settings are
+    tests/test_mla.py's DSA case's (32 prompts, 6 new tokens, seed 1, engine batch 8), so a run compiles those
+    engine and scoring programs once for both."""
     code, out = _run(capsys, "--model", "tiny-glm5", "--trainer", "aligned-bf16", "--engine", "aligned-bf16",
-                     "--prompts", "2", "--json")
+                     "--engine-batch", "8", "--prompts", "32", "--max-new-tokens", "6", "--seed", "1", "--json")
     assert code == 0, out.out
     result = json.loads(out.out)
     assert result["model"]["family"] == "glm_moe_dsa" and result["passed"] and result["claims_alignment"]
