@@ -52,7 +52,7 @@ def current_isa() -> str:
 # The ISA legs (tests/test_isa_matrix.py) run one case per claim: these `bitwise` cases repeat a claim another
 # case already makes under the leg's ISA, so a leg leaves them out (the native run keeps every case). Each maps to
 # the case the leg still runs for that claim; tests/conftest.py checks both exist and are `bitwise` whenever a
-# leg collects the suite. A new bitwise test runs in the legs unless it is listed here.
+# leg collects the suite (the MULTIDEVICE entries when the leg's multidevice process collects that suite). A new bitwise test runs in the legs unless it is listed here.
 MULTIDEVICE = "tests/multidevice/test_meshes.py::"  # collected only in the multidevice suite's own process
 LEG_REPEATS = {
     # trainer == engine bitwise: the continuous schedule's case (batches 3 and 8), and the static one with a
@@ -74,11 +74,11 @@ LEG_REPEATS = {
         "tests/test_knobs.py::test_knob_changes_numbers_and_restores[mla=absorbed0]",
     "tests/test_knobs.py::test_knob_changes_numbers_and_restores[index_scores_dtype=bf16_1]":
         "tests/test_knobs.py::test_knob_changes_numbers_and_restores[index_scores_dtype=bf16_0]",
-    # RL on a trainer mesh == one device, bitwise: its numerics are the leg's narrower mesh cases on the same
-    # mesh -- the loss and every gradient (this cover), the engine's generation, the ordered logprobs -- plus the
-    # optimizer's program-independent update (tests/test_optimizer.py) and the loss's order
-    # (tests/test_rl_algorithm.py), all in the leg; the run itself (~40% of a leg's multidevice time, its
-    # programs compiled for no other test) runs natively
+    # RL on a trainer mesh == one device, bitwise: its numerics are the leg's narrower mesh cases -- the loss and
+    # every gradient (this cover) and the engine's generation on data=2,expert=2,tensor=2, the ordered logprobs
+    # on fsdp=4,tensor=2 -- plus the optimizer's program-independent update (tests/test_optimizer.py) and the
+    # loss's order (tests/test_rl_algorithm.py), all in the leg; the run itself (~40% of a leg's multidevice
+    # time, its programs compiled for no other test) runs natively
     MULTIDEVICE + "test_rl_run_on_a_trainer_mesh_matches_one_device_bitwise":
         MULTIDEVICE + "test_aligned_gradients_are_bitwise_on_every_mesh[data=2,expert=2,tensor=2]",
 }

@@ -119,10 +119,11 @@ def tile_layout(group_sizes: jax.Array, rows: int, tile: int) -> tuple[int, jax.
     n_tiles = -(-rows // tile) + experts  # each expert adds at most one partly filled tile
     padded = (group_sizes + tile - 1) // tile * tile
     padded_end = jnp.cumsum(padded)
-    start = jnp.cumsum(group_sizes) - group_sizes
+    end = jnp.cumsum(group_sizes)
+    start = end - group_sizes
     # counts of ends passed, as one compare-and-sum each (the same integers as jnp.repeat and a right-sided
     # jnp.searchsorted, whose loop and scatter kernels were an eighth of an aligned forward's distinct kernels)
-    row_expert = jnp.minimum(_ends_passed(start + group_sizes, jnp.arange(rows)), experts - 1)
+    row_expert = jnp.minimum(_ends_passed(end, jnp.arange(rows)), experts - 1)
     dest = (padded_end - padded)[row_expert] + jnp.arange(rows) - start[row_expert]  # row -> slot in the tiles
     tile_expert = jnp.minimum(_ends_passed(padded_end, jnp.arange(n_tiles) * tile), experts - 1)
     return n_tiles, dest, tile_expert
