@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxalign import ModelConfig
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.matmul import matmul
 
@@ -58,7 +59,30 @@ def test_aligned_forward_is_batch_and_position_invariant():
     np.testing.assert_array_equal(got, alone)
 
 
-@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+# The dispatch sees the routed experts' shapes (8 experts, top 4, width 16 in every tiny family) and the combine
+# weights; the families differ in how those weights are made. One family per kind of weight: softmax top-k
+# renormalised (tiny, as qwen3-moe and mixtral), softmax top-k as is (olmoe, as qwen2-moe), grouped sigmoid scaled
+# by 2.5 beside a shared expert and a first dense layer (glm5, as glm4-moe and deepseek-v3).
+DISPATCH_FAMILIES = ("tiny", "tiny-olmoe", "tiny-glm5")
+
+
+def test_the_dispatch_families_cover_every_kind_of_combine_weight():
+    """DISPATCH_FAMILIES stands for every family: each family's routed experts have the shapes of one of them and
+    makes its combine weights as that one does."""
+    def routed(preset):
+        c = ModelConfig.preset(preset)
+        return c.n_experts, c.top_k, c.expert_dim, c.d_model
+
+    def weights(preset):
+        c = ModelConfig.preset(preset)
+        return c.router, c.norm_topk_prob, c.n_groups, c.topk_groups, c.routed_scaling_factor
+
+    assert {routed(p) for p in FAMILY_PRESETS} == {routed(p) for p in DISPATCH_FAMILIES}
+    assert {weights(p) for p in FAMILY_PRESETS} == {weights(p) for p in DISPATCH_FAMILIES}
+    assert len({weights(p) for p in DISPATCH_FAMILIES}) == len(DISPATCH_FAMILIES)
+
+
+@pytest.mark.parametrize("preset", DISPATCH_FAMILIES)
 def test_tiled_sorted_and_bucketed_dispatches_give_the_dense_dispatch_bits(preset):
     """Under the tiled kernel a row's bits do not depend on its tile-mates, so running only the selected experts
     (sorted tiles, or the bucketed dispatch's per-expert buffers) gives exactly what running every expert on

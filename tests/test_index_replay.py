@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import jaxalign as ja
-from jaxalign.align.compare import compare, score_rollout
+from jaxalign.align.compare import compare, random_prompts, score_rollout
 from jaxalign.align.replay import FORMAT_V1, load_record, save_record
 from jaxalign.model.scoring import sequence_logprobs
 
@@ -26,9 +26,19 @@ def glm5():
     return build_model("tiny-glm5")
 
 
+# tiny-glm5 rollouts here run the engine settings of tests/test_mla.py's DSA case and tests/test_check.py's glm5
+# pair (its prompts, 6 new tokens, engine batch 8, continuous with 8 slots, a chunked prefill of 4): one set of
+# engine and scoring programs for the run
+GLM5_RUN = dict(max_new_tokens=6, seed=1, batch_size=8)
+
+
+def _glm5_prompts(n=32):
+    return random_prompts(64, n, 1, max_len=16)
+
+
 @pytest.fixture(scope="module")
 def glm5_rollout(glm5):
-    return ja.generate(glm5, _prompts(5, seed=3), ALIGNED, max_new_tokens=8, seed=1, batch_size=3)
+    return ja.generate(glm5, _glm5_prompts(), ALIGNED, **GLM5_RUN)
 
 
 @pytest.mark.bitwise
@@ -36,12 +46,13 @@ def glm5_rollout(glm5):
 def test_engine_records_the_index_selections_of_a_teacher_forced_pass(glm5, schedule, chunk):
     """Under an aligned policy the engine's recorded selections, index margins and combine weights are those of a
     teacher-forced pass, in prefill (whole or chunked) and decode; never-forwarded positions hold -1."""
-    rollout = ja.generate(glm5, _prompts(5, seed=3), ALIGNED, max_new_tokens=8, seed=1, batch_size=3,
-                          schedule=schedule, prefill_chunk=chunk)
+    prompts = _glm5_prompts()
+    rollout = ja.generate(glm5, prompts, ALIGNED, **GLM5_RUN, schedule=schedule, prefill_chunk=chunk)
     _, tf = ja.token_logprobs(glm5, rollout.tokens, ALIGNED)
     rec = rollout.routing
     forwarded = rec.indices[..., 0, 0] >= 0
-    assert rec.index_positions.shape == (5, rollout.tokens.shape[1], glm5.config.n_layers, glm5.config.index_topk)
+    assert rec.index_positions.shape == (len(prompts), rollout.tokens.shape[1], glm5.config.n_layers,
+                                         glm5.config.index_topk)
     assert (rec.index_positions[forwarded] >= 0).any() and (rec.index_positions[~forwarded] == -1).all()
     np.testing.assert_array_equal(rec.index_positions[forwarded], np.asarray(tf.index_positions)[forwarded])
     np.testing.assert_array_equal(rec.index_margins[forwarded], np.asarray(tf.index_margins)[forwarded])
@@ -53,7 +64,7 @@ def test_index_replay_in_the_trainer_gives_the_engine_selections(glm5):
     selections makes it attend to the engine's keys, and since the indexer is then the only difference, the
     trainer's logprobs become the engine's bit for bit."""
     trainer = ALIGNED.replace(index_scores_dtype="bf16")
-    rollout = ja.generate(glm5, _prompts(8, seed=1), ALIGNED, max_new_tokens=10, seed=1)
+    rollout = ja.generate(glm5, _glm5_prompts(8), ALIGNED, **GLM5_RUN)
     native, replayed = (score_rollout(glm5, rollout, trainer, replay=mode) for mode in ("none", "index"))
     assert native["index"]["index_flip_rate"] > 0 and native["metrics"]["max_abs_logp_diff"] > 0
     assert replayed["metrics"]["max_abs_logp_diff"] == 0.0 and replayed["metrics"]["bitwise_equal_fraction"] == 1.0
@@ -103,7 +114,7 @@ def test_gate_weight_replay_semantics(preset):
     model = build_model(preset)
     engine = ALIGNED
     trainer = ALIGNED.replace(router_logits_dtype="bf16")  # a router difference only: ids and weights move
-    rollout = ja.generate(model, _prompts(4, seed=4), engine, max_new_tokens=6, seed=2)
+    rollout = ja.generate(model, _glm5_prompts(8), engine, **GLM5_RUN)
     tokens, mask = rollout.tokens, rollout.mask
     own_lp, own = ja.token_logprobs(model, tokens, trainer, replay=rollout.routing)
     own_w, _ = ja.token_logprobs(model, tokens, trainer, replay=rollout.routing, replay_weights=own.weights)
