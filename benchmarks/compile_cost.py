@@ -5,7 +5,9 @@
 For each policy and layer count, the jitted gradient of the summed token logprobs (the trainer's program) on
 [8, 24] tokens of the model is lowered and compiled once, fresh (the persistent compilation cache is switched
 off), and the fusions of the compiled module counted. The suite's time is mostly this compile (README, Set-up).
-Writes benchmarks/results/compile_cost.json.
+Writes benchmarks/results/compile_cost.json (`--out` elsewhere), with the XLA_FLAGS it ran under: e.g.
+`XLA_FLAGS=--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE python benchmarks/compile_cost.py --out ...` measures
+a compiler setting.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def main(argv=None) -> int:
             print(report.table(rows[-1:], list(rows[-1])), flush=True)
     table = report.table(rows, ["policy", "model", "n_layers", "fusions", "compile_s"])
     print(table)
-    write_json(args.out, {"args": vars(args), "rows": rows, "tables": {"compile_cost": table}})
+    write_json(args.out, {"args": vars(args), "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows,
+                          "tables": {"compile_cost": table}})
     return 0
 
 
