@@ -52,7 +52,8 @@ def current_isa() -> str:
 # The ISA legs (tests/test_isa_matrix.py) run one case per claim: these `bitwise` cases repeat a claim another
 # case already makes under the leg's ISA, so a leg leaves them out (the native run keeps every case). Each maps to
 # the case the leg still runs for that claim; tests/conftest.py checks both exist and are `bitwise` whenever a
-# leg collects the suite (the MULTIDEVICE entries when the leg's multidevice process collects that suite). A new bitwise test runs in the legs unless it is listed here.
+# leg collects the suite (the MULTIDEVICE entries when the leg's multidevice process collects that suite). A new
+# bitwise test runs in the legs unless it is listed here.
 MULTIDEVICE = "tests/multidevice/test_meshes.py::"  # collected only in the multidevice suite's own process
 LEG_REPEATS = {
     # trainer == engine bitwise: the continuous schedule's case (batches 3 and 8), and the static one with a

@@ -26,19 +26,19 @@ def glm5():
     return build_model("tiny-glm5")
 
 
-# tiny-glm5 rollouts here run the engine settings of tests/test_mla.py's DSA case and tests/test_check.py's glm5
-# pair (its prompts, 6 new tokens, engine batch 8, continuous with 8 slots, a chunked prefill of 4): one set of
-# engine and scoring programs for the run
-GLM5_RUN = dict(max_new_tokens=6, seed=1, batch_size=8)
+# Rollouts here run the engine settings of tests/test_mla.py's DSA case and tests/test_check.py's glm5 pair (the
+# prompts `compare` makes for seed 1, 6 new tokens, engine batch 8, continuous with 8 slots, a chunked prefill of
+# 4): on tiny-glm5, one set of engine and scoring programs for the run
+DSA_CASE_RUN = dict(max_new_tokens=6, seed=1, batch_size=8)
 
 
-def _glm5_prompts(n=32):
-    return random_prompts(64, n, 1, max_len=16)
+def _dsa_case_prompts(cfg, n=32):
+    return random_prompts(cfg.vocab_size, n, DSA_CASE_RUN["seed"], max_len=16)
 
 
 @pytest.fixture(scope="module")
 def glm5_rollout(glm5):
-    return ja.generate(glm5, _glm5_prompts(), ALIGNED, **GLM5_RUN)
+    return ja.generate(glm5, _dsa_case_prompts(glm5.config), ALIGNED, **DSA_CASE_RUN)
 
 
 @pytest.mark.bitwise
@@ -46,8 +46,8 @@ def glm5_rollout(glm5):
 def test_engine_records_the_index_selections_of_a_teacher_forced_pass(glm5, schedule, chunk):
     """Under an aligned policy the engine's recorded selections, index margins and combine weights are those of a
     teacher-forced pass, in prefill (whole or chunked) and decode; never-forwarded positions hold -1."""
-    prompts = _glm5_prompts()
-    rollout = ja.generate(glm5, prompts, ALIGNED, **GLM5_RUN, schedule=schedule, prefill_chunk=chunk)
+    prompts = _dsa_case_prompts(glm5.config)
+    rollout = ja.generate(glm5, prompts, ALIGNED, **DSA_CASE_RUN, schedule=schedule, prefill_chunk=chunk)
     _, tf = ja.token_logprobs(glm5, rollout.tokens, ALIGNED)
     rec = rollout.routing
     forwarded = rec.indices[..., 0, 0] >= 0
@@ -64,7 +64,7 @@ def test_index_replay_in_the_trainer_gives_the_engine_selections(glm5):
     selections makes it attend to the engine's keys, and since the indexer is then the only difference, the
     trainer's logprobs become the engine's bit for bit."""
     trainer = ALIGNED.replace(index_scores_dtype="bf16")
-    rollout = ja.generate(glm5, _glm5_prompts(8), ALIGNED, **GLM5_RUN)
+    rollout = ja.generate(glm5, _dsa_case_prompts(glm5.config, 8), ALIGNED, **DSA_CASE_RUN)
     native, replayed = (score_rollout(glm5, rollout, trainer, replay=mode) for mode in ("none", "index"))
     assert native["index"]["index_flip_rate"] > 0 and native["metrics"]["max_abs_logp_diff"] > 0
     assert replayed["metrics"]["max_abs_logp_diff"] == 0.0 and replayed["metrics"]["bitwise_equal_fraction"] == 1.0
@@ -114,7 +114,7 @@ def test_gate_weight_replay_semantics(preset):
     model = build_model(preset)
     engine = ALIGNED
     trainer = ALIGNED.replace(router_logits_dtype="bf16")  # a router difference only: ids and weights move
-    rollout = ja.generate(model, _glm5_prompts(8), engine, **GLM5_RUN)
+    rollout = ja.generate(model, _dsa_case_prompts(model.config, 8), engine, **DSA_CASE_RUN)
     tokens, mask = rollout.tokens, rollout.mask
     own_lp, own = ja.token_logprobs(model, tokens, trainer, replay=rollout.routing)
     own_w, _ = ja.token_logprobs(model, tokens, trainer, replay=rollout.routing, replay_weights=own.weights)
