@@ -30,8 +30,9 @@ STEP34_ROUTER_LOGITS = np.array([0xbec15f26, 0x3f908770, 0x3e0a4958, 0x3fb13493,
 
 def load_case():
     """The step-34 case: the countdown model's weights after step 33 (bf16-rounded, as both sides use them under
-    aligned-bf16; the f32 router as is), 24 rows of that step's rollout -- the failing group 64..71 among rows
-    56..79, a trainer batch of 24 x 38 tokens -- and the engine's logprobs of them (its 256-row static batch)."""
+    aligned-bf16; the f32 router as is) and 24 rows of that step's rollout (rows 56..79 of its 256-row batch, the
+    failing group 64..71 among them): their prompts and lengths, the step's sampling seed, and the tokens and
+    mask the engine generated there -- a trainer batch of 24 x 38 tokens."""
     case = np.load(CASE)
     params = {}
     for key in case.files:
@@ -51,19 +52,44 @@ def load_case():
     return model, case
 
 
+# the case's engine settings: the RL run's (temperature 1, the tokenizer's EOS, 14 new tokens), its requests
+# keep their ids in the step's batch, so they draw the step's random numbers
+CASE_REQUESTS = np.arange(56, 80)
+CASE_MAX_NEW = 14
+
+
 @pytest.mark.bitwise
 def test_rl_step34_trainer_batch_scores_the_engine_tokens_bitwise():
-    """The saved case: the trainer's logprobs of the 24 rows in one batch are those of each 8-row group scored
-    alone (too small for a YNNPACK fusion) and the engine's, bit for bit. Before the fix 61 tokens of rows
-    64..71 differed, from position 18 on, through layer 0's gate weights. (The engine's logprobs were recorded
-    on an AVX-512 Xeon; the trainer gives them under AVX2 and SSE4_2 too.)"""
+    """The saved case: the engine regenerates the 24 rows on this host, and the trainer's logprobs of them in one
+    24 x 38 batch (the trainer's padded width; its router softmax is large enough for a YNNPACK fusion) are
+    those of each 8-row group scored alone (too small for one) and the engine's, bit for bit. Before the fix 61
+    tokens of rows 64..71 differed, from position 18 on, through layer 0's gate weights.
+
+    The engine's logprobs are computed here: bits are promised within one host, not across hosts
+    (docs/policies.md, "Across hosts"). The file keeps the ones the run recorded on its AVX-512 Xeon
+    (`lp_engine`); on an AMX Xeon (Emerald Rapids) this code's differ from them in 10 tokens under every
+    --xla_cpu_max_isa, the tokens being the same: XLA:CPU hands bf16 products to YNNPACK, which picks its
+    kernels by the CPU's features at run time."""
+    from jaxalign import generate
+    from jaxalign.rl import tokenizer
     model, case = load_case()
-    tokens, mask = case["tokens"].astype(np.int32), case["mask"]
+    saved = case["tokens"]
+    prompts = [row[:n] for row, n in zip(saved.astype(np.int32), case["prompt_lens"])]
+    rollout = generate(model, prompts, ALIGNED, max_new_tokens=CASE_MAX_NEW, temperature=1.0,
+                       eos_id=tokenizer.EOS, seed=int(case["seed"]), request_ids=CASE_REQUESTS)
+    width = saved.shape[1]
+    tokens = np.full((len(prompts), width), tokenizer.PAD, np.int32)
+    tokens[:, :rollout.tokens.shape[1]] = rollout.tokens
+    mask = np.zeros((len(prompts), width - 1), bool)
+    mask[:, :rollout.mask.shape[1]] = rollout.mask
+    lp_engine = np.zeros(mask.shape, np.float32)
+    lp_engine[:, :rollout.logprobs.shape[1]] = rollout.logprobs
+
     lp = np.asarray(token_logprobs(model, tokens, ALIGNED, temperature=1.0)[0])
     groups = np.concatenate([np.asarray(token_logprobs(model, tokens[i:i + 8], ALIGNED, temperature=1.0)[0])
                              for i in range(0, len(tokens), 8)])
     assert mask[8:16].sum() > 0
-    for other in (groups, case["lp_engine"]):
+    for other in (groups, lp_engine):
         differing = np.argwhere((lp != other) & mask)
         assert differing.size == 0, differing[:10]
 
