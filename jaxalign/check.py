@@ -19,8 +19,6 @@ on the CPU, the Pallas kernels for `tiled:T` on a GPU/TPU), as recorded while th
 from __future__ import annotations
 
 import os
-import platform
-import re
 from typing import Callable
 
 import jax
@@ -36,6 +34,7 @@ from jaxalign.numerics.dtypes import as_compute, cast
 from jaxalign.numerics.indexer import index_scores, select_keys
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.mla import mla_attention
+from jaxalign.numerics.platforms import effective_isa
 from jaxalign.numerics.precision import check_backend
 from jaxalign.numerics.reduce import rms_norm, softmax
 
@@ -48,30 +47,11 @@ PROBE_BATCHES = (1, 2, 3, 8, 13, 32)
 ENGINE_BATCHES = (1, 8, 32)
 TRAINER_PROGRAMS = ("forward", "gradient")
 ENGINE_PROGRAMS = tuple(p for p in PROGRAMS if p.startswith("engine"))
-# /proc/cpuinfo flag -> the name `--xla_cpu_max_isa` takes, best first
-_ISA_FLAGS = (("amx_tile", "AMX"), ("avx512f", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4_2"))
-
-
-def cpu_isa() -> str:
-    """The instruction set XLA:CPU generates code for: `--xla_cpu_max_isa` from XLA_FLAGS when set, else the
-    best one this CPU reports (/proc/cpuinfo)."""
-    match = re.search(r"--xla_cpu_max_isa=(\S+)", os.environ.get("XLA_FLAGS", ""))
-    if match:
-        return f"{match.group(1)} (XLA_FLAGS --xla_cpu_max_isa)"
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = set(next((line for line in info if line.startswith("flags")), "").split())
-    except OSError:
-        return f"unknown ({platform.machine()})"
-    best = next((name for flag, name in _ISA_FLAGS if flag in flags), platform.machine())
-    return f"{best} (cpu flags)"
-
-
 def environment() -> dict:
     """What was validated: backend, devices, versions, CPU instruction set, XLA flags."""
     devices = jax.devices()
     return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind, "device_count": len(devices),
-            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "cpu_isa": cpu_isa(),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "cpu_isa": effective_isa(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 

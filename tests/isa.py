@@ -41,6 +41,19 @@ def probe_with_flag(code: str, flag: str, value: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def leg_already_run(isa: str, xla_flags: str | None = None, cpu_flags: set[str] | None = None) -> str | None:
+    """Why the `isa` leg would repeat this run (a reason to skip it), or None: the run is capped at `isa`, or it
+    is uncapped on a CPU whose best instruction set is `isa` (e.g. AVX2 on a Zen 3 EPYC), where XLA:CPU already
+    generates the code the cap would ask for -- a cap only removes features above it."""
+    from jaxalign.numerics.platforms import host_isa, isa_cap
+    cap = isa_cap(xla_flags)
+    if cap == isa:
+        return f"this run is already capped at {isa}: its own bitwise tests are this leg"
+    if cap is None and host_isa(cpu_flags) == isa:
+        return f"this CPU's best instruction set is {isa}: the native run is this leg"
+    return None
+
+
 def current_isa() -> str:
     """The ISA cap this process runs under (`native` without one)."""
     for flag in os.environ.get("XLA_FLAGS", "").split():

@@ -2,7 +2,8 @@
 `XLA_FLAGS=--xla_cpu_max_isa=AVX2` and `=SSE4_2`, each in a fresh pytest process (XLA reads its flags when its
 backend starts). XLA:CPU's code depends on the instruction set -- the vector width a reduce is split by, whether
 a multiply-add is contracted into an FMA (AVX2 and later) -- so a claim checked on one CPU only holds there.
-The native leg is the ordinary run of the same tests. `python -m pytest -q` (the README's command, which
+The native leg is the ordinary run of the same tests; on a CPU whose best instruction set is AVX2 (a Zen 3 EPYC,
+say) that run is the AVX2 leg, which then skips itself (a cap only removes features above it). `python -m pytest -q` (the README's command, which
 .ci/run calls) reaches this module, so CI runs the matrix; `-m bitwise` alone runs one leg.
 
 A leg runs one case per claim: the parametrised cases tests/isa.py LEG_REPEATS lists repeat a claim another case
@@ -26,7 +27,7 @@ import time
 
 import pytest
 
-from isa import ISA_FLAG, child_env, current_isa
+from isa import ISA_FLAG, child_env, current_isa, leg_already_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEGS = ["AVX2", "SSE4_2"]
@@ -35,8 +36,9 @@ LEGS = ["AVX2", "SSE4_2"]
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", LEGS)
 def test_bitwise_claims_hold_under_isa(isa):
-    if current_isa() == isa:
-        pytest.skip(f"this run is already capped at {isa}: its own bitwise tests are this leg")
+    reason = leg_already_run(isa)
+    if reason:
+        pytest.skip(reason)
     env = child_env(f"{ISA_FLAG}={isa}", JAXALIGN_ISA_LEG=isa)
     env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if not f.startswith(ISA_FLAG + "=")
                                 or f == f"{ISA_FLAG}={isa}")
@@ -47,6 +49,15 @@ def test_bitwise_claims_hold_under_isa(isa):
     print(f"ISA leg {isa}: {time.perf_counter() - start:.0f} s\n{proc.stdout[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+def test_a_leg_is_skipped_only_where_it_would_repeat_the_run():
+    avx512, zen3 = {"sse4_2", "avx", "avx2", "fma", "avx512f"}, {"sse4_2", "avx", "avx2", "fma"}
+    assert leg_already_run("AVX2", "", avx512) is None and leg_already_run("SSE4_2", "", avx512) is None
+    assert "best instruction set is AVX2" in leg_already_run("AVX2", "", zen3)
+    assert leg_already_run("SSE4_2", "", zen3) is None
+    assert "already capped" in leg_already_run("SSE4_2", "--xla_cpu_max_isa=SSE4_2", avx512)
+    assert leg_already_run("AVX2", "--xla_cpu_max_isa=SSE4_2", zen3) is None  # capped below the CPU: not native
 
 
 # A child that compiles one program (`jit_probe`, a reduction whose code XLA:CPU vectorises by the ISA) with the

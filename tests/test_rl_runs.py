@@ -127,9 +127,13 @@ def test_resuming_on_another_host_warns_naming_the_difference(tmp_path):
 
 
 def test_effective_isa_reads_xla_flags_then_the_cpu():
-    assert rundir.effective_isa("--xla_cpu_max_isa=avx2 --foo", set()) == "AVX2 (XLA_FLAGS)"
-    assert rundir.effective_isa("", {"sse4_2", "avx", "avx2"}) == "AVX2"
-    assert rundir.effective_isa("", {"sse4_2", "avx512f", "avx2"}) == "AVX512"
+    from jaxalign.numerics.platforms import effective_isa, host_isa
+    assert effective_isa("--xla_cpu_max_isa=avx2 --foo", set()) == "AVX2 (XLA_FLAGS)"
+    assert effective_isa("--xla_cpu_max_isa=AVX2 --xla_cpu_max_isa=SSE4_2", {"avx2"}) == "SSE4_2 (XLA_FLAGS)"
+    assert effective_isa("", {"sse4_2", "avx", "avx2"}) == "AVX2"
+    assert effective_isa("", {"sse4_2", "avx512f", "avx2"}) == "AVX512"
+    assert effective_isa("", {"sse4_2", "avx512f", "avx2", "amx_tile"}) == "AMX"
+    assert host_isa(set()) is None and host_isa({"sse4_2", "fma"}) == "SSE4_2"
     host = rundir.host_info()
     assert {"backend", "jax", "jaxlib", "cpu", "isa"} <= set(host)
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import platform as _platform
+import re
 from typing import Iterator
 
 import jax
@@ -16,6 +19,8 @@ import jax.numpy as jnp
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 _simulated: str | None = None
+# /proc/cpuinfo flag -> the name `--xla_cpu_max_isa` takes for that instruction set, best first
+ISA_LADDER = (("amx_tile", "AMX"), ("avx512f", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4_2"))
 
 
 def host_platform() -> str:
@@ -28,6 +33,44 @@ def host_platform() -> str:
 def platform() -> str:
     """The platform kernels are chosen for: the simulated one inside `simulate`, else `host_platform()`."""
     return _simulated or host_platform()
+
+
+def cpu_model_and_flags() -> tuple[str, set[str]]:
+    """This CPU's model name and its /proc/cpuinfo flags (the machine name and no flags where there is none)."""
+    model, flags = _platform.processor() or _platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model in ("", _platform.machine(), _platform.processor()):
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def host_isa(cpu_flags: set[str] | None = None) -> str | None:
+    """The best instruction set of ISA_LADDER this CPU reports (None where it reports none of them), named as
+    `--xla_cpu_max_isa` names it: what XLA:CPU generates code for without a cap."""
+    cpu_flags = cpu_model_and_flags()[1] if cpu_flags is None else cpu_flags
+    return next((name for flag, name in ISA_LADDER if flag in cpu_flags), None)
+
+
+def isa_cap(xla_flags: str | None = None) -> str | None:
+    """The `--xla_cpu_max_isa` value in XLA_FLAGS (the last one wins), upper-cased; None without a cap."""
+    found = re.findall(r"--xla_cpu_max_isa=(\S+)", os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
+    return found[-1].upper() if found else None
+
+
+def effective_isa(xla_flags: str | None = None, cpu_flags: set[str] | None = None) -> str:
+    """The instruction set XLA:CPU generates code for: `NAME (XLA_FLAGS)` under a cap, else `host_isa()` (or the
+    machine's name where /proc/cpuinfo says nothing)."""
+    cap = isa_cap(xla_flags)
+    if cap:
+        return f"{cap} (XLA_FLAGS)"
+    return host_isa(cpu_flags) or _platform.machine()
 
 
 @functools.lru_cache(maxsize=None)

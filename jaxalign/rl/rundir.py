@@ -19,48 +19,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
-import re
 import warnings
 
 import numpy as np
 
+from jaxalign.numerics.platforms import cpu_model_and_flags, effective_isa
+
 RUN_FILE = "run.json"
 _RECORD_KEYS = ("settings", "code", "start_weights")  # must match to continue a run
-_ISA_ORDER = (("avx512f", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4_2"))
 
 
 class RunMismatch(ValueError):
     """An existing run directory was produced by other settings, another build or other starting weights."""
-
-
-def effective_isa(flags: str | None = None, cpu_flags: set[str] | None = None) -> str:
-    """The instruction set XLA:CPU generates code for: `--xla_cpu_max_isa` from XLA_FLAGS when set, else the
-    widest of AVX512/AVX2/AVX/SSE4_2 this CPU reports (or the machine name where /proc/cpuinfo is missing)."""
-    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
-    found = re.findall(r"--xla_cpu_max_isa=(\S+)", flags)
-    if found:
-        return f"{found[-1].upper()} (XLA_FLAGS)"
-    cpu_flags = _cpu_info()[1] if cpu_flags is None else cpu_flags
-    for flag, name in _ISA_ORDER:
-        if flag in cpu_flags:
-            return name
-    return platform.machine()
-
-
-def _cpu_info() -> tuple[str, set[str]]:
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    return model, flags
 
 
 def host_info() -> dict:
@@ -69,7 +39,7 @@ def host_info() -> dict:
     import jaxlib
     return {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
             "device_count": jax.device_count(), "process_count": jax.process_count(), "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "cpu": _cpu_info()[0], "isa": effective_isa()}
+            "jaxlib": jaxlib.__version__, "cpu": cpu_model_and_flags()[0], "isa": effective_isa()}
 
 
 def weights_fingerprint(tree) -> str:
