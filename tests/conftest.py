@@ -73,6 +73,16 @@ LONGEST_FIRST = (
 )
 
 
+# Files whose tests run the same programs (their settings were made to match): each set is one unit of the xdist
+# schedule, so one worker runs its files one after another and the later ones reuse the programs the first compiled.
+# Split over two workers they ran at the same time and both compiled them (the glm5 pair of `jaxalign check` took
+# 109 s beside its twin instead of ~40 after it).
+SHARED_PROGRAMS = {
+    "glm5 engine and scoring programs": ("tests/test_check.py", "tests/test_index_replay.py", "tests/test_mla.py"),
+}
+_FILE_GROUP = {path: name for name, paths in SHARED_PROGRAMS.items() for path in paths}
+
+
 def pytest_unconfigure(config):
     """The process that made the run's compilation cache removes it."""
     if _OWNS_COMPILATION_CACHE:
@@ -81,12 +91,14 @@ def pytest_unconfigure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Group the tests for pytest-xdist (LONGEST_FIRST: one unit each, first; the rest by file) and order them."""
+    """Group the tests for pytest-xdist (LONGEST_FIRST: one unit each, first; the rest by file, SHARED_PROGRAMS'
+    files together) and order them."""
     def rank(item):
         return LONGEST_FIRST.index(item.nodeid) if item.nodeid in LONGEST_FIRST else len(LONGEST_FIRST)
     for item in items:
         long = rank(item) < len(LONGEST_FIRST)
-        item.add_marker(pytest.mark.xdist_group(item.nodeid if long else item.nodeid.split("::", 1)[0]))
+        path = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(item.nodeid if long else _FILE_GROUP.get(path, path)))
     items.sort(key=rank)  # stable: files keep their order
     if os.environ.get("JAXALIGN_ISA_LEG"):
         _leave_out_leg_repeats(config, items)

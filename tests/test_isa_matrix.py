@@ -93,11 +93,11 @@ def _probe_entries(cache_dir) -> list[str]:
     return sorted(p.name for p in cache_dir.iterdir() if p.name.startswith("jit_probe-"))
 
 
-@pytest.mark.bitwise
 def test_the_shared_compilation_cache_keys_on_the_isa_and_returns_the_bits_it_stored(tmp_path):
     """tests/conftest.py shares one persistent compilation cache between all the processes of a run, the ISA legs
     included. Its key hashes XLA_FLAGS, so a leg under another ISA cap compiles its own executable rather than
-    loading this one; and a loaded executable gives the bits of the compile that stored it.
+    loading this one; and a loaded executable gives the bits of the compile that stored it. (Not a `bitwise` case
+    for the legs to repeat: its children already run under two ISAs, and its subject is the cache.)
 
     (Not asserted, because it is false: that two fresh compiles give the same bytes. Under jaxalign's
     `--xla_cpu_experimental_ynn_fusion_type=-reduce`, XLA:CPU picks its tiled or its loop emitter for a fusion
