@@ -4,7 +4,10 @@
 
 For each policy and layer count, the jitted gradient of the summed token logprobs (the trainer's program) on
 [8, 24] tokens of the model is lowered and compiled once, fresh (the persistent compilation cache is switched
-off), and the fusions of the compiled module counted. The suite's time is mostly this compile (README, Set-up).
+off), and the fusions of the compiled module counted; each row also has the compile's process CPU seconds (XLA
+compiles on several threads), the median of 5 runs of the compiled gradient and `bits`, a hash of what it
+computes, so a compiler setting shows what it costs at run time and whether the numbers changed with it. The
+suite's time is mostly this compile (README, Set-up).
 Writes benchmarks/results/compile_cost.json (`--out` elsewhere), with the XLA_FLAGS it ran under: e.g.
 `XLA_FLAGS=--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE python benchmarks/compile_cost.py --out ...` measures
 a compiler setting.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 import re
 import sys
@@ -52,14 +56,23 @@ def main(argv=None) -> int:
         for name, policy in policies.items():
             grad = jax.jit(jax.grad(lambda s, t, p=policy: sequence_logprobs(nnx.merge(graphdef, s), t, p)[0].sum()))
             lowered = grad.lower(state, tokens)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             compiled = lowered.compile()
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             fusions = len(re.findall(r"^\s*%?[\w.\-]+ = \S+ fusion\(", compiled.as_text(), re.M))
+            leaves = jax.tree.leaves(compiled(state, tokens))
+            bits = hashlib.sha256(b"".join(np.asarray(leaf).tobytes() for leaf in leaves)).hexdigest()[:12]
+            runs = []
+            for _ in range(5):
+                start = time.perf_counter()
+                jax.block_until_ready(compiled(state, tokens))
+                runs.append(time.perf_counter() - start)
             rows.append({"policy": name, "model": args.model, "n_layers": n_layers, "fusions": fusions,
-                         "compile_s": seconds})
+                         "compile_s": seconds, "compile_cpu_s": cpu_seconds, "run_ms": 1e3 * float(np.median(runs)),
+                         "bits": bits})
             print(report.table(rows[-1:], list(rows[-1])), flush=True)
-    table = report.table(rows, ["policy", "model", "n_layers", "fusions", "compile_s"])
+    table = report.table(rows, ["policy", "model", "n_layers", "fusions", "compile_s", "compile_cpu_s", "run_ms",
+                                "bits"])
     print(table)
     write_json(args.out, {"args": vars(args), "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows,
                           "tables": {"compile_cost": table}})
