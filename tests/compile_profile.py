@@ -6,9 +6,12 @@ For every test it records wall seconds and the seconds JAX reports (`jax.monitor
 tracing to a jaxpr, lowering to StableHLO and the backend compile, with the number of backend compiles, and the
 compile time the persistent cache saved, and which lines asked for the compiles (`sites`: the innermost
 frame outside the interpreter's libraries -- jaxalign's or the test's own code -- with its compile seconds and
-count). Rows are appended to FILE (default `compile_profile.jsonl`; one JSON object per line, from every xdist
-worker), and the terminal summary lists the tests and the call sites with the most backend compile time. Tests that run pytest or the CLI in a subprocess (the ISA legs, the multidevice suite) show only
-their wall time: their compiles happen in the child.
+count), and whether it is marked `bitwise`. Rows are appended to FILE (default `compile_profile.jsonl`; one
+JSON object per line, from every xdist worker); the controlling process adds a last `{"session": ...}` row with the
+run's wall and CPU seconds (its own and its children's: xdist workers and every process they started) and the
+number of workers. The terminal summary lists the tests and the call sites with the most backend compile time.
+Tests that run pytest or the CLI in a subprocess (the ISA legs, the multidevice suite) show only their wall time:
+their compiles happen in the child. `python benchmarks/suite_time.py FILE` sums a whole run by part.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import resource
 import sysconfig
 import time
 import traceback
@@ -62,12 +66,30 @@ def pytest_addoption(parser):
                      help="compile_profile plugin: the JSONL file its per-test rows are appended to")
 
 
+def _cpu_seconds() -> float:
+    """User and system CPU of this process and of its children that have ended."""
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def pytest_configure(config):
     """Listen to JAX's duration events; the controlling process (not an xdist worker) starts a fresh file."""
     import jax
     if not hasattr(config, "workerinput"):
         open(config.getoption("--compile-profile"), "w").close()
+        config._compile_profile_start = (time.perf_counter(), _cpu_seconds())
     jax.monitoring.register_event_duration_secs_listener(_listener)
+
+
+def pytest_unconfigure(config):
+    """The controlling process appends the session row, after its workers have ended."""
+    start = getattr(config, "_compile_profile_start", None)
+    if start is None:
+        return
+    workers = getattr(config.option, "numprocesses", None)  # xdist's -n (an int once it has resolved "auto")
+    with open(config.getoption("--compile-profile"), "a") as f:
+        f.write(json.dumps({"session": {"wall_s": time.perf_counter() - start[0], "cpu_s": _cpu_seconds() - start[1],
+                                        "workers": workers if isinstance(workers, int) else None}}) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -77,7 +99,8 @@ def pytest_runtest_protocol(item, nextitem):
     _site_seconds.clear()
     _site_counts.clear()
     yield
-    row = {"test": item.nodeid, "wall_s": time.perf_counter() - start}
+    row = {"test": item.nodeid, "wall_s": time.perf_counter() - start,
+           "bitwise": item.get_closest_marker("bitwise") is not None}
     row.update({name: _seconds[name] - seconds.get(name, 0.0) for name in EVENTS.values()})
     row["compiles"] = _counts["compile_s"] - counts.get("compile_s", 0)
     row["sites"] = {site: [s, _site_counts[site]] for site, s in _site_seconds.most_common()}
@@ -97,7 +120,7 @@ def pytest_terminal_summary(terminalreporter, config):
     if not os.path.exists(path):
         return
     with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        rows = [row for row in map(json.loads, filter(str.strip, f)) if "test" in row]
     wall, compile_s = sum(r["wall_s"] for r in rows), sum(r["compile_s"] for r in rows)
     terminalreporter.write_sep("=", f"compile profile ({path}: {len(rows)} rows)")
     terminalreporter.write_line(f"backend compile {compile_s:.1f} s of {wall:.1f} s test wall time "

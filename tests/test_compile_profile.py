@@ -11,17 +11,24 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 _FILE = '''
 import jax, jax.numpy as jnp
+import pytest
 
 def test_compiles_one_program():
     assert float(jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.arange(7.0)).sum()) != 0.0
 
+@pytest.mark.bitwise
 def test_compiles_nothing():
     assert sum(range(4)) == 6
+'''
+_CONFTEST = '''
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bitwise: a bitwise claim")
 '''
 
 
 def test_compile_profile_counts_each_tests_own_compiles(tmp_path):
     (tmp_path / "test_two.py").write_text(_FILE)
+    (tmp_path / "conftest.py").write_text(_CONFTEST)
     out = tmp_path / "profile.jsonl"
     out.write_text('{"test": "a stale row from an earlier run"}\n')  # replaced, not appended to
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}  # compile for real
@@ -30,13 +37,19 @@ def test_compile_profile_counts_each_tests_own_compiles(tmp_path):
                            f"--compile-profile={out}", "test_two.py"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {r["test"]: r for r in map(json.loads, out.read_text().splitlines())}
+    *lines, last = map(json.loads, out.read_text().splitlines())
+    rows = {r["test"]: r for r in lines}
+    # the controlling process's session row comes last: the whole run's wall and CPU, and its xdist workers (none)
+    session = last["session"]
+    assert session["workers"] is None and 0 < session["wall_s"] and 0 < session["cpu_s"]
+    assert session["wall_s"] >= sum(r["wall_s"] for r in lines)
     assert set(rows) == {"test_two.py::test_compiles_one_program", "test_two.py::test_compiles_nothing"}
     jitted, plain = rows["test_two.py::test_compiles_one_program"], rows["test_two.py::test_compiles_nothing"]
     assert jitted["compiles"] >= 1 and 0 < jitted["compile_s"] <= jitted["wall_s"]
     assert plain["compiles"] == 0 and plain["compile_s"] == 0.0
+    assert plain["bitwise"] and not jitted["bitwise"]
     # the compile is charged to the test's own line that called the jitted function (jax's frames skipped)
-    site = "test_two.py:5:test_compiles_one_program"
+    site = "test_two.py:6:test_compiles_one_program"
     assert set(jitted["sites"]) == {site} and jitted["sites"][site][1] == jitted["compiles"]
     assert jitted["sites"][site][0] == pytest.approx(jitted["compile_s"]) and plain["sites"] == {}
     assert "compile profile" in proc.stdout and "test_compiles_one_program" in proc.stdout

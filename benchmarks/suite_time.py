@@ -1,0 +1,107 @@
+"""Where the test suite's time goes, by part, from one whole run under the compile-profile plugin:
+
+    PYTHONPATH=tests python -m pytest -q -p compile_profile --compile-profile suite.jsonl
+    python benchmarks/suite_time.py suite.jsonl
+
+Each test's row (tests/compile_profile.py) is put in one part -- the ISA legs, the multidevice suite, the
+two-process test, the notebooks, the CLI tests, the other `bitwise` tests, the rest -- and each part's
+worker-seconds (the sum of its tests' wall times), backend compile and trace+lower seconds are added up. The
+floor is what the bitwise claims alone take (the native `bitwise` tests, the legs, the multidevice suite and the
+two-process test: the claims issue 19 asks to hold on every ISA and mesh) in minutes of the run's workers, before
+any other test. Subprocess tests (legs, multidevice, notebooks, CLI) show wall time only: their compiles happen in
+the child. Writes benchmarks/results/suite_time.json (`--out` elsewhere) with the run's session row (wall, CPU,
+workers) and the machine the summary was made on -- run it on the machine that ran the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_json  # noqa: E402,I001
+
+# (part, test of a node id and its row); the first that matches takes the test
+PARTS = (
+    ("ISA legs", lambda test, row: "test_isa_matrix.py::test_bitwise_claims_hold_under_isa[" in test),
+    ("multidevice suite", lambda test, row: test.startswith("tests/test_meshes.py::test_multidevice_suite")),
+    ("two-process test", lambda test, row: test.startswith("tests/test_multiprocess.py::")),
+    ("notebooks", lambda test, row: test.startswith("tests/test_notebooks.py::")),
+    ("CLI tests", lambda test, row: test.startswith("tests/test_cli.py::")),
+    ("other bitwise tests", lambda test, row: bool(row.get("bitwise"))),
+    ("other tests", lambda test, row: True),
+)
+FLOOR = ("other bitwise tests", "ISA legs", "multidevice suite", "two-process test")
+
+
+def read_profile(path: str) -> tuple[list[dict], dict | None]:
+    """The test rows and the session row (None if the run did not finish) of a compile-profile JSONL file."""
+    rows, session = [], None
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg}); expected the rows "
+                                 "tests/compile_profile.py writes") from None
+            if isinstance(row, dict) and "session" in row:
+                session = row["session"]
+            elif isinstance(row, dict) and isinstance(row.get("test"), str) and "wall_s" in row:
+                rows.append(row)
+            else:
+                raise ValueError(f"{path}:{number}: expected a test row (`test`, `wall_s`, ...) or a session row, "
+                                 f"got {line.strip()[:80]!r}")
+    if not rows:
+        raise ValueError(f"{path}: no test rows; run the suite with `-p compile_profile --compile-profile {path}`")
+    return rows, session
+
+
+def summarize(rows: list[dict], session: dict | None) -> dict:
+    """Per part: tests, worker-seconds, compile and trace+lower seconds; their total; the bitwise floor."""
+    parts = {name: {"part": name, "tests": 0, "worker_s": 0.0, "compile_s": 0.0, "trace_lower_s": 0.0}
+             for name, _ in PARTS}
+    for row in rows:
+        name = next(name for name, matches in PARTS if matches(row["test"], row))
+        part = parts[name]
+        part["tests"] += 1
+        part["worker_s"] += row["wall_s"]
+        part["compile_s"] += row.get("compile_s", 0.0)
+        part["trace_lower_s"] += row.get("trace_s", 0.0) + row.get("lower_s", 0.0)
+    total = sum(p["worker_s"] for p in parts.values())
+    workers = (session or {}).get("workers") or 1
+    floor = sum(parts[name]["worker_s"] for name in FLOOR)
+    return {"parts": list(parts.values()), "worker_s": total, "session": session, "workers": workers,
+            "floor_worker_s": floor, "floor_minutes": floor / workers / 60}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("profile", help="the JSONL file a `-p compile_profile` run wrote")
+    parser.add_argument("--out", default="benchmarks/results/suite_time.json")
+    args = parser.parse_args(argv)
+    from jaxalign import report
+    try:
+        summary = summarize(*read_profile(args.profile))
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    rows = [{**p, "worker_s": round(p["worker_s"]), "compile_s": round(p["compile_s"]),
+             "trace_lower_s": round(p["trace_lower_s"])} for p in summary["parts"]]
+    table = report.table(rows, ["part", "tests", "worker_s", "compile_s", "trace_lower_s"])
+    print(table)
+    session = summary["session"]
+    if session:
+        print(f"session: {session['wall_s'] / 60:.1f} min wall, {session['cpu_s']:.0f} s CPU, "
+              f"{summary['workers']} workers")
+    print(f"all tests: {summary['worker_s']:.0f} worker-s; the bitwise claims alone ({', '.join(FLOOR)}): "
+          f"{summary['floor_worker_s']:.0f} worker-s = {summary['floor_minutes']:.1f} min on {summary['workers']} "
+          "workers")
+    write_json(args.out, {"args": vars(args), **summary, "tables": {"suite_time": table}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
