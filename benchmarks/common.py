@@ -64,26 +64,16 @@ def peak_rss_mib() -> float:
 
 def machine() -> dict:
     """Where the numbers were measured: CPU model, cores, ISA, load average now and at start, versions."""
-    cpu = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "flags") and key not in cpu:
-                    cpu[key] = value.strip()
-    except OSError:
-        pass
-    flags = set(cpu.get("flags", "").split())
+    from jaxalign.numerics.platforms import cpu_model_and_flags
+    model, flags = cpu_model_and_flags()
     versions = {"python": platform.python_version()}
     for name in ("jax", "jaxlib", "torch", "transformers", "numpy"):
         mod = sys.modules.get(name)
         if mod is not None:
             versions[name] = getattr(mod, "__version__", "?")
-    return {"platform": platform.platform(), "cpu_model": cpu.get("model name", platform.processor()),
-            "cpu_count": os.cpu_count(), "isa": [f for f in _ISA_FLAGS if f in flags],
-            "load_average_start": list(_LOAD_AT_START), "load_average_end": list(os.getloadavg()),
-            "versions": versions, "threads": thread_settings()}
+    return {"platform": platform.platform(), "cpu_model": model, "cpu_count": os.cpu_count(),
+            "isa": [f for f in _ISA_FLAGS if f in flags], "load_average_start": list(_LOAD_AT_START),
+            "load_average_end": list(os.getloadavg()), "versions": versions, "threads": thread_settings()}
 
 
 def machine_line(m: dict) -> str:
