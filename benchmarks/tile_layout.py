@@ -65,7 +65,8 @@ def run_setting(setting: str, policies: str) -> list[dict]:
     out = subprocess.run([sys.executable, __file__, "--probe", "--policies", policies],
                          env=dict(os.environ, XLA_FLAGS=" ".join(flags)), capture_output=True, text=True)
     if out.returncode != 0:
-        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        lines = out.stderr.strip().splitlines() or ["(no output)"]
+        last = next((line for line in lines if "Illegal value" in line or "Error" in line), lines[-1]).strip()
         raise SystemExit(f"--settings {setting!r}: the probe process failed ({last}); allowed: 'jaxalign' or a "
                          f"value of {YNN_FLAG}, e.g. -reduce,-dot,-individual_dot")
     return json.loads(out.stdout.strip().splitlines()[-1])
