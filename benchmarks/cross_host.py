@@ -135,9 +135,8 @@ def main() -> None:
         cells = [_cell(r, q) for q in QUANTITIES]
         print(f"| {r['isa']} | {r['preset']} | {'bitwise' if r['trainer_eq_engine'] else 'no'} | "
               f"{'bitwise' if r['one_device_eq_mesh'] else 'no'} | " + " | ".join(cells) + " |")
-    with open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else open(os.devnull) as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    write_json(args.out, {"cpu": cpu, "model": args.model, "rows": rows})
+    from jaxalign.numerics.platforms import cpu_model_and_flags
+    write_json(args.out, {"cpu": cpu_model_and_flags()[0], "model": args.model, "rows": rows})
 
 
 if __name__ == "__main__":
