@@ -53,7 +53,9 @@ def main(argv=None) -> int:
     try:
         policy = ja.NumericPolicy.parse(args.policy)
         mesh = make_mesh(args.mesh)
-        presets = [ja.ModelConfig.preset(p) and p for p in args.presets.split(",") if p]
+        presets = [p for p in args.presets.split(",") if p]
+        for name in presets:
+            ja.ModelConfig.preset(name)  # an unknown preset: its error names the allowed ones
     except ValueError as err:
         parser.error(str(err))
     rows = []
