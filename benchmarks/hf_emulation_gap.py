@@ -1,10 +1,13 @@
 """How close `hf.emulation_policy(family, path)` lands to transformers' bf16 forward, per family: k3 of the
 emulation against each of transformers' two expert paths (eager, grouped_mm), the gap between those paths, and
-their ratio -- the figures behind `EMULATION_FACTOR` in tests/test_hf_interop.py and the README's table. The
+their ratio -- the figures behind `EMULATION_FACTOR_BY_CAPABILITY` in tests/test_hf_interop.py and the README's table. The
 models, tokens and replay are the test's (each side replays the experts, and for GLM-5 the indexer keys, that its
 transformers path picked). Needs the `hf` extra. Prints a table and writes JSON.
 
     python benchmarks/hf_emulation_gap.py [--families deepseek_v3,glm_moe_dsa] [--override mla=absorbed]
+
+torch's CPU kernels (and with them the order it sums an RMSNorm's squares) follow the host's best instruction set;
+`ATEN_CPU_CAPABILITY=avx2` or `=default` in the environment measures a lower one (the JSON records which ran).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def main() -> int:
         for family in args.families.split(","):
             rows += family_rows(family, args.override, work)
     write_json(args.out, {"override": args.override, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                          "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                           "transformers": transformers.__version__, "rows": rows})
     return 0
 
