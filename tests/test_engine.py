@@ -163,16 +163,26 @@ def test_eos_and_continuous_refills(model):
 
 def test_no_recompile_at_same_shapes(model):
     """Each engine counts the programs its own calls compiled: the first call at new shapes compiles, a second
-    call at the same buckets (other data and seed) compiles nothing, in this engine or a fresh one."""
-    kw = dict(max_new_tokens=5, temperature=1.0, batch_size=4)
+    call at the same buckets (other data, seed, number of new tokens and EOS id: traced operands, not part of the
+    program) compiles nothing, in this engine or a fresh one; a new cache bucket compiles again."""
+    kw = dict(temperature=1.0, batch_size=4)
     engine = ja.Engine(model, FP32)
-    first = engine.generate(_prompts(8, seed=6), seed=11, **kw | dict(max_new_tokens=7))
+    first = engine.generate(_prompts(8, seed=6), seed=11, max_new_tokens=7, **kw)
     assert first.stats["compiles"] >= 1 and engine.compiles == first.stats["compiles"]
-    r = engine.generate(_prompts(8, seed=7), seed=3, **kw | dict(max_new_tokens=7))  # same buckets, other data
+    prompts = _prompts(8, seed=7)
+    eos = int(first.completion(0)[1])
+    r = engine.generate(prompts, seed=3, max_new_tokens=5, eos_id=eos, **kw)  # same buckets, other data and stops
     assert r.stats["compiles"] == 0 and engine.compiles == first.stats["compiles"]
+    assert r.stats["cache_len"] == first.stats["cache_len"] and r.completion_lens.max() <= 5
+    for i in range(len(r)):  # the traced stops act: a completion ends at max_new or at its first EOS
+        c = r.completion(i)
+        assert (r.finish_reasons[i] == "eos") == (eos in c) and eos not in c[:-1]
+        assert len(c) == 5 or r.finish_reasons[i] == "eos"
     other = ja.Engine(model, FP32)
-    assert other.generate(_prompts(8, seed=8), **kw | dict(max_new_tokens=7)).stats["compiles"] == 0
+    assert other.generate(_prompts(8, seed=8), max_new_tokens=7, **kw).stats["compiles"] == 0
     assert other.compiles == 0
+    longer = other.generate(_prompts(8, seed=8), max_new_tokens=9, **kw)  # 16 + 9 tokens: the next cache bucket
+    assert longer.stats["cache_len"] > first.stats["cache_len"] and longer.stats["compiles"] >= 1
 
 
 def test_kv_cache_dtype_follows_policy(model):

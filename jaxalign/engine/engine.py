@@ -126,8 +126,8 @@ class Engine:
         padded = np.zeros((n, p_max), np.int32)
         for i, prompt in enumerate(prompts):
             padded[i, : len(prompt)] = prompt
-        static = dict(policy=self.policy, max_new=max_new_tokens, cache_len=cache_len, eos_id=eos_id,
-                      sampling=sampling)
+        static = dict(policy=self.policy, cache_len=cache_len, sampling=sampling)
+        stops = (jnp.int32(max_new_tokens), jnp.int32(-1 if eos_id is None else eos_id))  # traced: shared programs
         traces_before = kernels.traces_in_this_thread()
         start = time.perf_counter()
         put = functools.partial(put_batch, mesh=self.mesh)
@@ -144,7 +144,7 @@ class Engine:
                 with mesh_context(self.mesh):
                     out_tok, out_lp, gen, record = kernels.run_static(
                         self.graphdef, self.state, put(padded[pick]), put(lens[pick]), put(ids[pick]),
-                        jnp.int32(seed), prefill_chunk=prefill_chunk, **static)
+                        jnp.int32(seed), *stops, prefill_chunk=prefill_chunk, **static)
                 out_tok, out_lp, gen = to_host(out_tok), to_host(out_lp), to_host(gen)
                 k = len(rows)
                 for j, i in enumerate(rows):
@@ -160,8 +160,8 @@ class Engine:
         else:
             with mesh_context(self.mesh):
                 tok_buf, lp_buf, gen, record = kernels.run_continuous(
-                    self.graphdef, self.state, put(padded), put(lens), put(ids), jnp.int32(seed), slots=slots,
-                    **static)
+                    self.graphdef, self.state, put(padded), put(lens), put(ids), jnp.int32(seed), *stops,
+                    slots=slots, **static)
             tokens[:] = to_host(tok_buf)[:, :seq_len]
             step_lp[:] = to_host(lp_buf)[:, :seq_len]
             n_gen[:] = to_host(gen)

@@ -1,6 +1,10 @@
 """The engine's compiled programs: static-batch generation (prefill, then a `lax.while_loop` decode) and
 continuous batching (a fixed set of slots, each advancing one token per step, refilled inside the loop).
 
+A program is specialised on what sets shapes or numerics (the policy, the batch, the prompt bucket, the cache
+length, the sampling settings, the prefill chunk); the number of new tokens and the EOS id are traced operands
+(EOS -1 = none: no token id is negative), so runs that differ only in those share one compiled program.
+
 KV layout: a request's token at position p lives in cache slot p, whatever batch or slot it runs in, so a
 request's attention reduces over the same slots in prefill, decode and the trainer's full forward.
 Sampling is keyed by (seed, request index, position), so a request gets the same draws wherever it runs.
@@ -63,12 +67,12 @@ def _finish(routing: RoutingRecord, lens, n_gen) -> RoutingRecord:
     return routing.masked(pos < (lens + n_gen - 1)[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_new", "cache_len", "eos_id",
-                                             "sampling", "prefill_chunk"))
-def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max_new, cache_len, eos_id,
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "cache_len", "sampling", "prefill_chunk"))
+def run_static(graphdef, state, prompts, lens, request_ids, seed, max_new, eos_id, *, policy, cache_len,
                sampling, prefill_chunk):
-    """Generate for one static batch. prompts [B, P] right-padded, lens [B]. Returns
-    (tokens [B, max_new], logprobs [B, max_new], n_generated [B], RoutingRecord [B, cache_len, ...])."""
+    """Generate for one static batch. prompts [B, P] right-padded, lens [B]; max_new (>= 1, at most
+    cache_len - P) and eos_id (-1: none) are int32 scalars. Returns (tokens [B, cache_len], logprobs
+    [B, cache_len] (entries max_new and beyond are 0), n_generated [B], RoutingRecord [B, cache_len, ...])."""
     _traced()
     model = nnx.merge(graphdef, state)
     cfg = model.config
@@ -87,11 +91,10 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max
     last = jnp.concatenate(logits_parts, axis=1)[jnp.arange(b), lens - 1]
     sample = functools.partial(_sample, seed=seed, policy=policy, sampling=sampling)
     tok0, lp0 = sample(last, request_ids, lens)
-    out_tok = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok0)
-    out_lp = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(lp0)
+    out_tok = jnp.zeros((b, cache_len), jnp.int32).at[:, 0].set(tok0)
+    out_lp = jnp.zeros((b, cache_len), jnp.float32).at[:, 0].set(lp0)
     n_gen = jnp.ones((b,), jnp.int32)
-    done = (tok0 == eos_id) if eos_id is not None else jnp.zeros((b,), bool)
-    done = done | (max_new <= 1)
+    done = (tok0 == eos_id) | (max_new <= 1)
 
     def cond(carry):
         step, _, _, _, done, _, _ = carry
@@ -107,8 +110,7 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max
         out_tok = out_tok.at[:, step].set(jnp.where(active, tok, 0))
         out_lp = out_lp.at[:, step].set(jnp.where(active, lp, 0.0))
         n_gen = n_gen + active
-        hit_eos = (tok == eos_id) if eos_id is not None else jnp.zeros_like(active)
-        done = done | (active & hit_eos) | (n_gen >= max_new)
+        done = done | (active & (tok == eos_id)) | (n_gen >= max_new)
         return step + 1, out_tok, out_lp, n_gen, done, kv, routing
 
     carry = (jnp.int32(1), out_tok, out_lp, n_gen, done, kv, routing)
@@ -116,11 +118,11 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, *, policy, max
     return out_tok, out_lp, n_gen, _finish(routing, lens, n_gen)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "slots", "max_new", "cache_len", "eos_id",
-                                             "sampling"))
-def run_continuous(graphdef, state, prompts, lens, request_ids, seed, *, policy, slots, max_new, cache_len, eos_id,
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "slots", "cache_len", "sampling"))
+def run_continuous(graphdef, state, prompts, lens, request_ids, seed, max_new, eos_id, *, policy, slots, cache_len,
                    sampling):
-    """Continuous batching over all requests. prompts [R, P] right-padded, lens [R].
+    """Continuous batching over all requests. prompts [R, P] right-padded, lens [R]; max_new and eos_id (-1:
+    none) are int32 scalars.
 
     `slots` rows advance one token per step (a prompt token while a request is in prefill, its last sampled
     token after); a finished request's slot takes the next waiting request inside the loop, so the batch's
@@ -159,8 +161,7 @@ def run_continuous(graphdef, state, prompts, lens, request_ids, seed, *, policy,
         lp_buf = lp_buf.at[write, slot_pos + 1].set(lp, mode="drop")
         generated = n_gen[req] + emitting
         n_gen = n_gen.at[write].set(generated, mode="drop")
-        hit_eos = (tok == eos_id) if eos_id is not None else jnp.zeros_like(emitting)
-        finished = emitting & (hit_eos | (generated >= max_new))
+        finished = emitting & ((tok == eos_id) | (generated >= max_new))
         rank = jnp.cumsum(finished) - 1
         incoming = next_req + rank
         slot_req = jnp.where(finished, jnp.where(incoming < r, incoming, -1), slot_req)
