@@ -231,7 +231,7 @@ def test_an_unmeasured_torch_capability_gets_every_familys_lowest_bar():
 
 def test_bf16_emulation_lands_far_closer_to_the_matching_transformers_path(saved):
     """The seed's aggregation finding on an external stack: transformers' eager and grouped_mm expert paths
-    disagree in bf16; the matching jaxalign emulation is EMULATION_FACTOR[family] times closer (k3) to each. Each
+    disagree in bf16; the matching jaxalign emulation is `emulation_factor(family)` times closer (k3) to each. Each
     side replays the experts (and DSA keys) its transformers path picked, so near-tie flips do not blur the
     arithmetic; under DSA the emulation's own indexer picks transformers' keys wherever it has no exact tie. The
     factor depends on the CPU kernels torch runs (`emulation_factor`)."""

@@ -121,9 +121,10 @@ def lower_programs(model, policy: NumericPolicy, programs=PROGRAMS, *, batch: in
 
     engine_state = jax.eval_shape(functools.partial(_cast_state, policy=policy), state)
     ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    seed = jax.ShapeDtypeStruct((), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
     sampling = dict(policy=policy, cache_len=seq + max_new, sampling=SamplingParams(temperature=1.0))
-    engine_args = (graphdef, engine_state, tokens, ints, ints, seed, seed, seed)  # seed, max_new, eos_id
+    seed, max_new_tokens, eos_id = scalar, scalar, scalar
+    engine_args = (graphdef, engine_state, tokens, ints, ints, seed, max_new_tokens, eos_id)
     lower = {
         "forward": lambda: _forward.lower(graphdef, state, tokens, None, policy=policy),
         "gradient": lambda: jax.jit(jax.grad(loss)).lower(state, tokens),
