@@ -123,7 +123,8 @@ def test_sampling_frequencies_pass_chi_square(kw, expected):
 @pytest.mark.bitwise
 def test_aligned_request_is_invariant_to_batch_and_slot():
     """A request's completion, logprobs and experts are the same alone, in static batches of 8 and 32, in
-    continuous batching over 3 slots and with a chunked prefill. The model, prompts and settings are those of
+    continuous batching over 3 slots and with a chunked prefill (chunks of 5: a short last chunk after the loop
+    over whole ones). The model, prompts and settings are those of
     tests/test_alignment.py's bitwise case (`compare` on `small`: 32 prompts, 12 new tokens, seed 1), whose
     engine batches and schedules these are, so a run compiles their engine programs once for both claims."""
     model = build_model("small")
@@ -133,7 +134,7 @@ def test_aligned_request_is_invariant_to_batch_and_slot():
     runs = [ja.generate(model, prompts, ALIGNED, batch_size=8, **kw),
             ja.generate(model, prompts, ALIGNED, batch_size=32, **kw),
             ja.generate(model, prompts, ALIGNED, batch_size=3, schedule="continuous", **kw),
-            ja.generate(model, prompts, ALIGNED, batch_size=8, prefill_chunk=4, **kw)]
+            ja.generate(model, prompts, ALIGNED, batch_size=8, prefill_chunk=5, **kw)]
     assert runs[2].stats["compiles"] <= 1
     assert len({len(p) for p in prompts}) > 1  # slots of continuous batching free up at different steps
     for run in runs:
@@ -183,6 +184,27 @@ def test_no_recompile_at_same_shapes(model):
     assert other.compiles == 0
     longer = other.generate(_prompts(8, seed=8), max_new_tokens=9, **kw)  # 16 + 9 tokens: the next cache bucket
     assert longer.stats["cache_len"] > first.stats["cache_len"] and longer.stats["compiles"] >= 1
+
+
+def test_chunked_prefill_program_does_not_grow_with_the_number_of_chunks(model):
+    """The whole chunks of a chunked prefill run in one loop: the lowered static program holds as many matrix
+    products for a 32-token prompt bucket (8 chunks of 4) as for 16 (4 chunks), and a short last chunk adds one
+    more copy of the model's products (16 = 3 chunks of 5 + 1). Unrolled, every chunk added its own copy."""
+    from jaxalign.engine.kernels import run_static
+
+    engine = ja.Engine(model, FP32)
+
+    def products(bucket, chunk):
+        b = 2
+        lowered = run_static.lower(engine.graphdef, engine.state, jnp.zeros((b, bucket), jnp.int32),
+                                   jnp.full((b,), 3, jnp.int32), jnp.arange(b, dtype=jnp.int32), jnp.int32(0),
+                                   jnp.int32(4), jnp.int32(-1), policy=FP32, cache_len=bucket + 8,
+                                   sampling=SamplingParams(temperature=0.0), prefill_chunk=chunk)
+        return lowered.as_text().count("stablehlo.dot_general")
+
+    whole = products(16, None)
+    assert products(16, 4) == products(32, 4) < products(16, 5) < 2 * whole
+    assert products(16, 4) == whole  # one prefill copy, whole or in chunks, and the decode step's
 
 
 def test_kv_cache_dtype_follows_policy(model):

@@ -16,6 +16,8 @@ import jaxalign as ja  # noqa: E402
 from jaxalign.align.metrics import mismatch_metrics  # noqa: E402
 from jaxalign.interop import hf  # noqa: E402
 
+from conftest import build_model, forward_logits  # noqa: E402
+
 pytestmark = pytest.mark.hf
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP32 = ja.NumericPolicy.preset("fp32")
@@ -93,7 +95,7 @@ def test_fp32_logits_and_routing_match_transformers(saved):
     index_replay = None
     if family == "glm_moe_dsa":  # the indexer's exact ties break differently in torch: replay its choices
         index_replay = _visible(_hf_index_selections(model, tokens)[1])
-    logits, record = ours(tokens, policy=FP32, index_replay=index_replay)
+    logits, record = forward_logits(ours, tokens, FP32, index_replay=index_replay)
     logits = np.asarray(logits)
     assert np.abs(ref_logits).max() > 0.5  # logit scale ~1
     assert np.abs(logits - ref_logits).max() <= 1e-4
@@ -106,7 +108,6 @@ def test_fp32_logits_and_routing_match_transformers(saved):
 
 def test_export_round_trip_loads_in_transformers(tmp_path):
     for preset in ("tiny-qwen3-moe", "tiny-mixtral", "tiny-glm4-moe", "tiny-deepseek-v3", "tiny-glm5"):
-        from conftest import build_model
         ours = build_model(preset)
         out = str(tmp_path / preset)
         hf.save(ours, out)
@@ -116,29 +117,30 @@ def test_export_round_trip_loads_in_transformers(tmp_path):
         index_replay = None
         if ours.config.index_topk:  # exact ties in the indexer break differently in torch: replay its keys
             index_replay = _visible(_hf_index_selections(loaded, tokens)[1])
-        assert np.abs(np.asarray(ours(tokens, policy=FP32, index_replay=index_replay)[0]) - ref_logits).max() <= 1e-4
+        logits = np.asarray(forward_logits(ours, tokens, FP32, index_replay=index_replay)[0])
+        assert np.abs(logits - ref_logits).max() <= 1e-4
         # and back: our importer reads our exporter's files to the same parameters
         again = hf.load(out)
-        np.testing.assert_array_equal(np.asarray(again(tokens, policy=FP32)[0]),
-                                      np.asarray(ours(tokens, policy=FP32)[0]))
+        np.testing.assert_array_equal(np.asarray(forward_logits(again, tokens, FP32)[0]),
+                                      np.asarray(forward_logits(ours, tokens, FP32)[0]))
 
 
 def test_bf16_weights_sharded_and_fused_layouts(tmp_path):
     model = hf_model("qwen3_moe")
     tokens = _tokens(2, 16)
-    reference = np.asarray(hf.load(_save(model, tmp_path / "plain"))(tokens, policy=FP32)[0])
+    reference = np.asarray(forward_logits(hf.load(_save(model, tmp_path / "plain")), tokens, FP32)[0])
     # sharded safetensors with an index file
     sharded = tmp_path / "sharded"
     model.save_pretrained(sharded, max_shard_size="20KB")
     assert (sharded / "model.safetensors.index.json").exists()
-    np.testing.assert_array_equal(np.asarray(hf.load(str(sharded))(tokens, policy=FP32)[0]), reference)
+    np.testing.assert_array_equal(np.asarray(forward_logits(hf.load(str(sharded)), tokens, FP32)[0]), reference)
     # fused in-memory layout written as is (experts.gate_up_proj / experts.down_proj)
     from safetensors.torch import save_file
     fused = tmp_path / "fused"
     fused.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "model.safetensors"))
     (fused / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
-    np.testing.assert_array_equal(np.asarray(hf.load(str(fused))(tokens, policy=FP32)[0]), reference)
+    np.testing.assert_array_equal(np.asarray(forward_logits(hf.load(str(fused)), tokens, FP32)[0]), reference)
     # bf16 weights (read through ml_dtypes) equal the bf16-rounded f32 weights
     bf16 = tmp_path / "bf16"
     model.to(torch.bfloat16).save_pretrained(bf16)
@@ -301,8 +303,8 @@ def test_import_hf_cli_writes_an_orbax_checkpoint(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     tokens = _tokens(2, 8)
-    np.testing.assert_array_equal(np.asarray(load_model(str(out))(tokens, policy=FP32)[0]),
-                                  np.asarray(hf.load(path)(tokens, policy=FP32)[0]))
+    np.testing.assert_array_equal(np.asarray(forward_logits(load_model(str(out)), tokens, FP32)[0]),
+                                  np.asarray(forward_logits(hf.load(path), tokens, FP32)[0]))
     again = subprocess.run(["jaxalign", "import-hf", path, "--out", str(out)], capture_output=True, text=True,
                            timeout=600)
     assert again.returncode == 2 and "already exists" in again.stderr
@@ -314,14 +316,14 @@ def test_mla_checkpoint_in_both_expert_layouts(tmp_path):
     from safetensors.torch import save_file
     model = hf_model("deepseek_v3")
     tokens = _tokens(2, 16)
-    reference = np.asarray(hf.load(_save(model, tmp_path / "plain"))(tokens, policy=FP32)[0])
+    reference = np.asarray(forward_logits(hf.load(_save(model, tmp_path / "plain")), tokens, FP32)[0])
     fused = tmp_path / "fused"
     fused.mkdir()
     state = model.state_dict()
     assert "model.layers.1.mlp.experts.gate_up_proj" in state
     save_file({k: v.contiguous() for k, v in state.items()}, str(fused / "model.safetensors"))
     (fused / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
-    np.testing.assert_array_equal(np.asarray(hf.load(str(fused))(tokens, policy=FP32)[0]), reference)
+    np.testing.assert_array_equal(np.asarray(forward_logits(hf.load(str(fused)), tokens, FP32)[0]), reference)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -393,16 +395,16 @@ def test_dsa_selections_prefill_and_decode_match_transformers(tmp_path):
     theirs = _visible(ref_index)
     # replaying transformers' keys keeps every layer's input on its path (a tie broken the other way in layer 0
     # would change what layer 1 sees); the record holds what our indexer itself picked at each layer
-    _, record = ours(tokens, policy=FP32, index_replay=theirs)
+    _, record = forward_logits(ours, tokens, FP32, index_replay=theirs)
     mine = np.asarray(record.index_positions)
     differs = (np.sort(mine, -1) != np.sort(theirs, -1)).any(-1)
     margins = np.asarray(record.index_margins)
     # relu zeroes many index scores, so exact ties are common (~30% of rows here); away from them all agree
     assert np.all(margins[differs] < 1e-6), "selections differ away from a tie"
     assert ((margins > 1e-6) & np.isfinite(margins)).sum() > 50
-    logits, _ = ours(tokens, policy=FP32, index_replay=theirs)
+    logits, _ = forward_logits(ours, tokens, FP32, index_replay=theirs)
     assert np.abs(np.asarray(logits) - ref_logits).max() <= 1e-4
-    assert not np.array_equal(np.asarray(ours(tokens, policy=FP32, index_replay=theirs[:, :, ::-1])[0]),
+    assert not np.array_equal(np.asarray(forward_logits(ours, tokens, FP32, index_replay=theirs[:, :, ::-1])[0]),
                               np.asarray(logits))  # the replay is live: other layers' keys change the logits
     # transformers' decode: prefill 8 tokens, then one token at a time from its cache
     picked = []
@@ -419,7 +421,7 @@ def test_dsa_selections_prefill_and_decode_match_transformers(tmp_path):
                                               for c in calls[1:]], 1)
     replay = np.full(tokens.shape + (n_layers, k), -1, np.int32)
     replay[:, : decode_sel.shape[1]] = _visible(decode_sel)
-    logits, _ = ours(tokens, policy=FP32, index_replay=replay)
+    logits, _ = forward_logits(ours, tokens, FP32, index_replay=replay)
     assert np.abs(steps - np.asarray(logits)[:, 7:-1]).max() <= 1e-4
 
 
@@ -443,6 +445,6 @@ def test_mla_cached_decode_of_transformers_matches_our_logits(tmp_path):
     ours = hf.load(_save(model, tmp_path / "dsv3"))
     tokens = _tokens(2, 20, seed=6)
     steps = _hf_cached_decode(model, tokens)
-    logits = np.asarray(ours(tokens, policy=FP32)[0])[:, 7:-1]
+    logits = np.asarray(forward_logits(ours, tokens, FP32)[0])[:, 7:-1]
     assert np.abs(logits).max() > 0.5
     assert np.abs(steps - logits).max() <= 1e-4

@@ -126,7 +126,7 @@ def lower_programs(model, policy: NumericPolicy, programs=PROGRAMS, *, batch: in
     seed, max_new_tokens, eos_id = scalar, scalar, scalar
     engine_args = (graphdef, engine_state, tokens, ints, ints, seed, max_new_tokens, eos_id)
     lower = {
-        "forward": lambda: _forward.lower(graphdef, state, tokens, None, policy=policy),
+        "forward": lambda: _forward.lower(graphdef, state, tokens, None, None, policy=policy),
         "gradient": lambda: jax.jit(jax.grad(loss)).lower(state, tokens),
         "engine": lambda: run_static.lower(*engine_args, prefill_chunk=None, **sampling),
         "engine-chunked-prefill": lambda: run_static.lower(*engine_args, prefill_chunk=prefill_chunk, **sampling),

@@ -1,5 +1,6 @@
-"""The engine's compiled programs: static-batch generation (prefill, then a `lax.while_loop` decode) and
-continuous batching (a fixed set of slots, each advancing one token per step, refilled inside the loop).
+"""The engine's compiled programs: static-batch generation (prefill, whole or in chunks -- the whole chunks in a
+`lax.fori_loop` -- then a `lax.while_loop` decode) and continuous batching (a fixed set of slots, each advancing
+one token per step, refilled inside the loop).
 
 A program is specialised on what sets shapes or numerics (the policy, the batch, the prompt bucket, the cache
 length, the sampling settings, the prefill chunk); the number of new tokens and the EOS id are traced operands
@@ -23,6 +24,7 @@ from jaxalign.model.attention import empty_kv_cache
 from jaxalign.model.routing import RoutingRecord
 from jaxalign.numerics import NumericPolicy, dtype
 from jaxalign.numerics.sampling import SamplingParams, reported_logprobs, sampling_logprobs
+from jaxalign.numerics.schedule import policy_for
 from jaxalign.numerics.select import argmax
 
 _THIS_THREAD = threading.local()
@@ -61,6 +63,32 @@ def _sample(logits, request_ids, positions, seed, policy, sampling: SamplingPara
     return token, jnp.take_along_axis(reported, token[:, None], axis=-1)[:, 0]
 
 
+def _chunked_prefill(model, policy, prompts, lens, kv, routing, chunk: int):
+    """Prefill prompts [B, P] `chunk` tokens at a time: (logits [B, V] at each row's last prompt token, kv,
+    routing). The whole chunks run in a `lax.fori_loop` (one copy of the model in the program, however many
+    chunks), a shorter last chunk after it."""
+    b, p = prompts.shape
+    rows = jnp.arange(b)
+
+    def part(start, size, carry):
+        last, kv, routing = carry
+        positions = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (b, size))
+        tokens = jax.lax.dynamic_slice_in_dim(prompts, start, size, axis=1)
+        logits, record, kv = model.forward(tokens, policy, positions=positions, kv=kv)
+        routing = routing.written(record, rows[:, None], positions)
+        offset = lens - 1 - start  # where each row's last prompt token falls in this chunk, if it does
+        inside = (offset >= 0) & (offset < size)
+        last = jnp.where(inside[:, None], logits[rows, jnp.clip(offset, 0, size - 1)], last)
+        return last, kv, routing
+
+    whole, rest = divmod(p, chunk)
+    carry = (jnp.zeros((b, model.config.vocab_size), dtype(policy_for(policy, "head").logits_dtype)), kv, routing)
+    carry = jax.lax.fori_loop(0, whole, lambda i, c: part(i * chunk, chunk, c), carry)
+    if rest:
+        carry = part(whole * chunk, rest, carry)
+    return carry
+
+
 def _finish(routing: RoutingRecord, lens, n_gen) -> RoutingRecord:
     """Mask routing of positions never forwarded: the last generated token, and everything after it."""
     pos = jnp.arange(routing.indices.shape[1])[None, :]
@@ -80,15 +108,13 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, max_new, eos_i
     kv = _empty_kv(cfg, b, cache_len, policy)
     routing = RoutingRecord.empty(cfg, b, cache_len)
     rows = jnp.arange(b)[:, None]
-    chunk = prefill_chunk or p
-    logits_parts = []
-    for start in range(0, p, chunk):
-        stop = min(start + chunk, p)
-        positions = jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (b, stop - start))
-        logits, record, kv = model.forward(prompts[:, start:stop], policy, positions=positions, kv=kv)
-        logits_parts.append(logits)
+    if prefill_chunk is None or prefill_chunk >= p:
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        logits, record, kv = model.forward(prompts, policy, positions=positions, kv=kv)
         routing = routing.written(record, rows, positions)
-    last = jnp.concatenate(logits_parts, axis=1)[jnp.arange(b), lens - 1]
+        last = logits[jnp.arange(b), lens - 1]
+    else:
+        last, kv, routing = _chunked_prefill(model, policy, prompts, lens, kv, routing, prefill_chunk)
     sample = functools.partial(_sample, seed=seed, policy=policy, sampling=sampling)
     tok0, lp0 = sample(last, request_ids, lens)
     out_tok = jnp.zeros((b, cache_len), jnp.int32).at[:, 0].set(tok0)

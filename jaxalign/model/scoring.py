@@ -32,8 +32,8 @@ def sequence_logprobs(model: Transformer, tokens: jax.Array, policy: NumericPoli
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
-def _forward(graphdef, state, tokens, replay, *, policy):
-    return nnx.merge(graphdef, state)(tokens, policy=policy, replay=replay)
+def _forward(graphdef, state, tokens, replay, index_replay, *, policy):
+    return nnx.merge(graphdef, state)(tokens, policy=policy, replay=replay, index_replay=index_replay)
 
 
 def on_mesh(model: Transformer, mesh: jax.sharding.Mesh | None):
@@ -43,17 +43,21 @@ def on_mesh(model: Transformer, mesh: jax.sharding.Mesh | None):
 
 
 def forward(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, *, replay=None,
-            mesh: jax.sharding.Mesh | None = None):
-    """Jitted full forward: (logits [B, S, V], RoutingRecord); compiled once per structure, policy and shape.
+            index_replay=None, mesh: jax.sharding.Mesh | None = None):
+    """Jitted full forward: (logits [B, S, V], RoutingRecord); compiled once per structure, policy and shape
+    (calling `model(tokens, policy=...)` outside jit instead compiles every operation on its own, several times
+    slower the first time). `replay`, `index_replay`: as `token_logprobs` takes them.
     `mesh`: run sharded on it (parameters and batch split as `model/sharding.py` says)."""
     arr = check_tokens(tokens, model.config)
     graphdef, state = on_mesh(model, mesh)
     replay_idx = replay.indices if isinstance(replay, RoutingRecord) else replay
     if replay_idx is not None:
         replay_idx = check_expert_indices(replay_idx, model.config, *arr.shape)
+    if index_replay is not None:
+        index_replay = put_batch(check_index_positions(index_replay, model.config, *arr.shape), mesh)
     with mesh_context(mesh):
         return _forward(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh),
-                        None if replay_idx is None else put_batch(replay_idx, mesh),
+                        None if replay_idx is None else put_batch(replay_idx, mesh), index_replay,
                         policy=policy)
 
 
