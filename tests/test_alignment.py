@@ -15,7 +15,7 @@ ALIGNED = NumericPolicy.preset("aligned-bf16")
 @pytest.mark.parametrize("schedule, batches, chunk", [
     ("static", (1, 3, 8, 32), None),
     ("continuous", (3, 8), None),
-    ("static", (8,), 5),  # a 16-token prompt bucket: three whole chunks in the loop, then one of 1
+    ("static", (8,), 4),
 ])
 @pytest.mark.bitwise
 def test_aligned_is_bitwise_for_every_batch_and_schedule(schedule, batches, chunk):

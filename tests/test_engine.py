@@ -27,10 +27,14 @@ def model():
     return build_model("tiny")
 
 
-@pytest.mark.parametrize("policy_name", ["fp32", "fp32,dispatch=bucketed"])
-def test_greedy_equals_teacher_forced_argmax(model, policy_name):
+# the second case prefills prompts of 4 to 16 tokens in chunks of 6: two in the loop (where two prompts end), then
+# a last one of 4 (where the other four end)
+@pytest.mark.parametrize("policy_name, chunk, longest", [("fp32", None, 11), ("fp32,dispatch=bucketed", 6, 16)])
+def test_greedy_equals_teacher_forced_argmax(model, policy_name, chunk, longest):
     policy = ja.NumericPolicy.parse(policy_name)
-    rollout = ja.generate(model, _prompts(6), policy, max_new_tokens=10, temperature=0.0)
+    prompts = _prompts(6, hi=longest + 1)
+    assert max(len(p) for p in prompts) == longest
+    rollout = ja.generate(model, prompts, policy, max_new_tokens=10, temperature=0.0, prefill_chunk=chunk)
     logits = np.asarray(forward_logits(model, rollout.tokens, policy)[0])
     for i in range(len(rollout)):
         p, g = rollout.prompt_lens[i], rollout.completion_lens[i]
@@ -123,8 +127,7 @@ def test_sampling_frequencies_pass_chi_square(kw, expected):
 @pytest.mark.bitwise
 def test_aligned_request_is_invariant_to_batch_and_slot():
     """A request's completion, logprobs and experts are the same alone, in static batches of 8 and 32, in
-    continuous batching over 3 slots and with a chunked prefill (chunks of 5: a short last chunk after the loop
-    over whole ones). The model, prompts and settings are those of
+    continuous batching over 3 slots and with a chunked prefill. The model, prompts and settings are those of
     tests/test_alignment.py's bitwise case (`compare` on `small`: 32 prompts, 12 new tokens, seed 1), whose
     engine batches and schedules these are, so a run compiles their engine programs once for both claims."""
     model = build_model("small")
@@ -134,7 +137,7 @@ def test_aligned_request_is_invariant_to_batch_and_slot():
     runs = [ja.generate(model, prompts, ALIGNED, batch_size=8, **kw),
             ja.generate(model, prompts, ALIGNED, batch_size=32, **kw),
             ja.generate(model, prompts, ALIGNED, batch_size=3, schedule="continuous", **kw),
-            ja.generate(model, prompts, ALIGNED, batch_size=8, prefill_chunk=5, **kw)]
+            ja.generate(model, prompts, ALIGNED, batch_size=8, prefill_chunk=4, **kw)]
     assert runs[2].stats["compiles"] <= 1
     assert len({len(p) for p in prompts}) > 1  # slots of continuous batching free up at different steps
     for run in runs:

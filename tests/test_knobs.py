@@ -107,7 +107,8 @@ def test_layout_knob_changes_the_program_and_restores(field, base_name, value):
     flipped = base.replace(**{field: value})
     assert base.diff(flipped) == [(field, getattr(base, field), value)]
     graphdef, state = nnx.split(model)
-    program = lambda p: _forward.lower(graphdef, state, jnp.asarray(tokens), None, policy=p).as_text()  # noqa: E731
+    program = lambda p: _forward.lower(graphdef, state, jnp.asarray(tokens), None, None,  # noqa: E731
+                                       policy=p).as_text()
     assert program(base) != program(flipped), f"{field}: {getattr(base, field)} -> {value} compiled the same program"
     before = np.asarray(forward_logits(model, tokens, base)[0])
     after = np.asarray(forward_logits(model, tokens, flipped)[0])
