@@ -180,8 +180,8 @@ def tiny_model() -> Transformer:
 
 def forward_logits(model: Transformer, tokens, policy, replay=None, index_replay=None):
     """Jitted (logits, RoutingRecord); compiled once per (model structure, policy, shapes). Tests call this, not
-    `model(tokens, policy=...)` outside jit, which compiles each operation apart (7 s against 0.9 for a tiny
-    model's first fp32 forward), unless the eager call is what they test."""
+    `model(tokens, policy=...)` outside jit, which compiles each operation apart (several times slower the first
+    time), unless the eager call is what they test."""
     return forward(model, tokens, policy, replay=replay, index_replay=index_replay)
 
 
