@@ -5,7 +5,8 @@
 
 Each test's row (tests/compile_profile.py) is put in one part -- the ISA legs, the multidevice suite, the
 two-process test, the notebooks, the CLI tests, the other `bitwise` tests, the rest -- and each part's
-worker-seconds (the sum of its tests' wall times), backend compile and trace+lower seconds are added up. The
+worker-seconds (the sum of its tests' wall times), backend compile and trace+lower seconds are added up; so is
+each test file's (the `--files` with the most worker-seconds are printed, all of them written). The
 floor is what the bitwise claims alone take (the native `bitwise` tests, the legs, the multidevice suite and the
 two-process test: the claims issue 19 asks to hold on every ISA and mesh) in minutes of the run's workers, before
 any other test. Subprocess tests (legs, multidevice, notebooks, CLI) show wall time only: their compiles happen in
@@ -60,38 +61,58 @@ def read_profile(path: str) -> tuple[list[dict], dict | None]:
     return rows, session
 
 
+def _add(total: dict, row: dict) -> None:
+    """Add one test's row to a part's or a file's running totals."""
+    total["tests"] += 1
+    total["worker_s"] += row["wall_s"]
+    total["compile_s"] += row.get("compile_s", 0.0)
+    total["trace_lower_s"] += row.get("trace_s", 0.0) + row.get("lower_s", 0.0)
+
+
+def _totals(key: str, name: str) -> dict:
+    return {key: name, "tests": 0, "worker_s": 0.0, "compile_s": 0.0, "trace_lower_s": 0.0}
+
+
 def summarize(rows: list[dict], session: dict | None) -> dict:
-    """Per part: tests, worker-seconds, compile and trace+lower seconds; their total; the bitwise floor."""
-    parts = {name: {"part": name, "tests": 0, "worker_s": 0.0, "compile_s": 0.0, "trace_lower_s": 0.0}
-             for name, _ in PARTS}
+    """Per part and per test file (most worker-seconds first): tests, worker-seconds, compile and trace+lower
+    seconds; their total; the bitwise floor."""
+    parts = {name: _totals("part", name) for name, _ in PARTS}
+    files: dict[str, dict] = {}
     for row in rows:
-        name = next(name for name, matches in PARTS if matches(row["test"], row))
-        part = parts[name]
-        part["tests"] += 1
-        part["worker_s"] += row["wall_s"]
-        part["compile_s"] += row.get("compile_s", 0.0)
-        part["trace_lower_s"] += row.get("trace_s", 0.0) + row.get("lower_s", 0.0)
+        _add(parts[next(name for name, matches in PARTS if matches(row["test"], row))], row)
+        path = row["test"].split("::", 1)[0]
+        _add(files.setdefault(path, _totals("file", path)), row)
     total = sum(p["worker_s"] for p in parts.values())
     workers = (session or {}).get("workers") or 1
     floor = sum(parts[name]["worker_s"] for name in FLOOR)
-    return {"parts": list(parts.values()), "worker_s": total, "session": session, "workers": workers,
-            "floor_worker_s": floor, "floor_minutes": floor / workers / 60}
+    return {"parts": list(parts.values()), "files": sorted(files.values(), key=lambda f: -f["worker_s"]),
+            "worker_s": total, "session": session, "workers": workers, "floor_worker_s": floor,
+            "floor_minutes": floor / workers / 60}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile", help="the JSONL file a `-p compile_profile` run wrote")
     parser.add_argument("--out", default="benchmarks/results/suite_time.json")
+    parser.add_argument("--files", type=int, default=15, help="print this many test files, most worker-s first "
+                        "(the JSON has them all)")
     args = parser.parse_args(argv)
     from jaxalign import report
     try:
         summary = summarize(*read_profile(args.profile))
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
-    rows = [{**p, "worker_s": round(p["worker_s"]), "compile_s": round(p["compile_s"]),
-             "trace_lower_s": round(p["trace_lower_s"])} for p in summary["parts"]]
-    table = report.table(rows, ["part", "tests", "worker_s", "compile_s", "trace_lower_s"])
+    if args.files < 0:
+        parser.error(f"--files {args.files}: expected a count >= 0")
+
+    def rounded(totals):
+        return [{**t, **{k: round(t[k]) for k in ("worker_s", "compile_s", "trace_lower_s")}} for t in totals]
+    table = report.table(rounded(summary["parts"]), ["part", "tests", "worker_s", "compile_s", "trace_lower_s"])
+    by_file = report.table(rounded(summary["files"][:args.files]),
+                           ["file", "tests", "worker_s", "compile_s", "trace_lower_s"])
     print(table)
+    print(f"\nthe {min(args.files, len(summary['files']))} of {len(summary['files'])} test files with the most "
+          f"worker-s (subprocess tests count their wall time only)\n{by_file}\n")
     session = summary["session"]
     if session:
         print(f"session: {session['wall_s'] / 60:.1f} min wall, {session['cpu_s']:.0f} s CPU, "
@@ -99,7 +120,7 @@ def main(argv=None) -> int:
     print(f"all tests: {summary['worker_s']:.0f} worker-s; the bitwise claims alone ({', '.join(FLOOR)}): "
           f"{summary['floor_worker_s']:.0f} worker-s = {summary['floor_minutes']:.1f} min on {summary['workers']} "
           "workers")
-    write_json(args.out, {"args": vars(args), **summary, "tables": {"suite_time": table}})
+    write_json(args.out, {"args": vars(args), **summary, "tables": {"suite_time": table, "files": by_file}})
     return 0
 
 

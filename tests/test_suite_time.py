@@ -2,6 +2,7 @@
 bitwise claims' share, and a file that is not a compile profile is refused with the line that is wrong."""
 
 import json
+import re
 import os
 import sys
 
@@ -46,6 +47,13 @@ def test_each_row_goes_to_one_part_and_the_parts_add_up():
     assert summary["floor_worker_s"] == 40.0 + 900.0 + 300.0 + 200.0
     assert summary["floor_minutes"] == pytest.approx(1440.0 / 2 / 60)
     assert set(FLOOR) <= set(parts)
+    files = {f["file"]: f for f in summary["files"]}  # each file's tests once, most worker-seconds first
+    assert [f["worker_s"] for f in summary["files"]] == sorted((f["worker_s"] for f in files.values()), reverse=True)
+    assert files["tests/test_isa_matrix.py"]["tests"] == 3 and files["tests/test_isa_matrix.py"]["worker_s"] == 900.5
+    assert files["tests/test_alignment.py"] == {"file": "tests/test_alignment.py", "tests": 1, "worker_s": 40.0,
+                                                "compile_s": 30.0, "trace_lower_s": 6.0}
+    assert sum(f["tests"] for f in files.values()) == len(ROWS)
+    assert sum(f["worker_s"] for f in files.values()) == pytest.approx(summary["worker_s"])
 
 
 def test_a_profile_file_round_trips_and_garbage_is_refused_with_its_line(tmp_path, capsys):
@@ -58,7 +66,13 @@ def test_a_profile_file_round_trips_and_garbage_is_refused_with_its_line(tmp_pat
     assert main([str(good), "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["floor_worker_s"] == 1440.0 and record["session"]["cpu_s"] == 2150.0 and "machine" in record
-    assert "12.0 min on 2 workers" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "12.0 min on 2 workers" in printed and re.search(r"\ntests/test_isa_matrix\.py +3 +900 ", printed)
+    assert record["files"][0]["file"] == "tests/test_isa_matrix.py" and len(record["files"]) == 7
+    assert main([str(good), "--out", str(out), "--files", "2"]) == 0  # two printed, all written
+    assert "the 2 of 7 test files" in capsys.readouterr().out and len(json.loads(out.read_text())["files"]) == 7
+    with pytest.raises(SystemExit):
+        main([str(good), "--out", str(out), "--files", "-1"])
     for text, needle in (("{not json\n", ":1: not a JSON line"), ('{"tests": 1}\n', ":1: expected a test row"),
                          (json.dumps(ROWS[0]) + "\n[1, 2]\n", ":2: expected a test row"), ("\n", "no test rows")):
         bad = tmp_path / "bad.jsonl"
