@@ -1,13 +1,18 @@
 """The halving tree's own gradient and the sorted dispatch's tile layout: the forms that keep the aligned
-programs' kernels few (README, Set-up) give exactly the numbers of the forms they replaced."""
+programs' kernels few (README, Set-up) give exactly the numbers of the forms they replaced. And the tree policies'
+normalisations (`reduce.divide_by`) round the same way in every program."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxalign import NumericPolicy
+from jaxalign.numerics import precision
+from jaxalign.numerics.attention import attention
+from jaxalign.numerics.experts import normalize_gate_weights
 from jaxalign.numerics.matmul import tile_layout
-from jaxalign.numerics.reduce import tree_sum
+from jaxalign.numerics.reduce import divide_by, softmax, tree_sum
 
 
 @pytest.mark.parametrize("shape, axis, keepdims", [((5, 13), -1, False), ((4, 8, 3), 1, True), ((7,), 0, False),
@@ -67,3 +72,78 @@ def test_tile_layout_is_repeat_and_searchsorted(experts, rows, tile):
         assert n_tiles == want[0]
         np.testing.assert_array_equal(np.asarray(dest), want[1], err_msg=str(load))
         np.testing.assert_array_equal(np.asarray(tile_expert), want[2], err_msg=str(load))
+
+
+def _forward_and_gradient_programs(fn, *args):
+    """fn(*args) from a forward-only program and from one that also computes its gradient (the backward live)."""
+    alone = jax.jit(fn)(*args)
+
+    def with_gradient(*xs):
+        out, vjp = jax.vjp(fn, *xs)
+        return out, vjp(jnp.ones_like(out))
+    return np.asarray(alone, np.float32), np.asarray(jax.jit(with_gradient)(*args)[0], np.float32)
+
+
+@pytest.mark.bitwise
+def test_attention_weights_round_the_same_in_a_gradient_program():
+    """A division by a broadcast sum is left to XLA's simplifier, which made it a reciprocal-multiply in a
+    forward program and kept the division in a gradient program: `token_logprobs` and the RL update's forward
+    disagreed (ratio_mean 0.99977 instead of 1 on one device; found by the trainer-mesh RL test under AVX2).
+    With compute=f32 nothing rounds the weights to bf16, so every one-ulp difference shows: 9,546 of these
+    65,536 outputs differed before `reduce.divide_by`."""
+    aligned = NumericPolicy.preset("aligned-bf16")
+    policy = NumericPolicy.parse(str(aligned).replace("compute=bf16", "compute=f32"))
+    rng = np.random.default_rng(0)
+    b, s, h, kvh, d = 16, 64, 4, 2, 16
+    q = jnp.asarray(rng.normal(size=(b, s, h, d)) * 2, jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(b, kvh, d, s)) * 2, jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(b, kvh, s, d)), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    alone, in_gradient = _forward_and_gradient_programs(lambda q, k, v: attention(q, k, v, pos, pos, policy),
+                                                        q, k, v)
+    assert alone.tobytes() == in_gradient.tobytes()
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("normalise", ["softmax", "gate_weights"])
+def test_tree_normalisation_is_a_reciprocal_multiply_in_every_program(normalise):
+    """Under reduction=tree, x / sum is x * (1 / sum) in float32 -- in a forward program and in a gradient
+    program -- and under reduction=xla the sum's order and the quotient are XLA's (the knob changes bits; both stay
+    within float32 rounding of the float64 quotient)."""
+    tree = NumericPolicy.preset("aligned-bf16")
+    rng = np.random.default_rng(1)
+    if normalise == "softmax":
+        x = jnp.asarray(rng.normal(size=(64, 48)) * 3, jnp.float32)
+        fn = lambda p: lambda v: softmax(v, p, "f32")  # noqa: E731
+        numerators = jax.jit(lambda v: precision.exp(v - jnp.max(v, -1, keepdims=True), tree))(x)
+    else:
+        x = jnp.asarray(rng.uniform(0.01, 1.0, size=(256, 8)), jnp.float32)
+        fn = lambda p: lambda v: normalize_gate_weights(v, p, renormalize=True)  # noqa: E731
+        numerators = x
+    total = np.asarray(jax.jit(lambda e: tree_sum(e, -1, keepdims=True))(numerators))  # its order: tested above
+    expected = np.asarray(numerators) * (np.float32(1) / total)
+    alone, in_gradient = _forward_and_gradient_programs(fn(tree), x)
+    assert alone.tobytes() == expected.tobytes()
+    assert in_gradient.tobytes() == expected.tobytes()
+    xla = NumericPolicy.parse(str(tree).replace("reduce=tree", "reduce=xla"))
+    divided = np.asarray(jax.jit(fn(xla))(x))
+    assert not np.array_equal(divided, alone)
+    exact = np.asarray(numerators, np.float64) / np.asarray(numerators, np.float64).sum(-1, keepdims=True)
+    for quotient in (alone, divided):  # a few float32 ulps from the float64 quotient either way
+        np.testing.assert_allclose(quotient, exact, rtol=1e-6, atol=0)
+
+
+@pytest.mark.bitwise
+def test_a_narrow_quotient_is_rounded_once():
+    """`divide_by` on bf16 operands: the reciprocal and the product in float32, then one rounding to bf16 (a bf16
+    reciprocal would have rounded twice more)."""
+    tree = NumericPolicy.preset("aligned-bf16")
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.uniform(0.01, 1.0, size=(512, 8)), jnp.bfloat16)
+    total = jax.jit(lambda v: tree_sum(v, -1, keepdims=True))(x)
+    out = jax.jit(lambda v, t: divide_by(v, t, -1, tree))(x, total)
+    assert out.dtype == jnp.bfloat16
+    wide = np.asarray(x, np.float32) * (np.float32(1) / np.asarray(total, np.float32))
+    assert np.asarray(out).tobytes() == wide.astype(jnp.bfloat16).tobytes()
+    narrow = np.asarray(x) * (np.float32(1) / np.asarray(total, np.float32)).astype(jnp.bfloat16)
+    assert not np.array_equal(np.asarray(out, np.float32), narrow.astype(np.float32))

@@ -18,7 +18,7 @@ from jaxalign.numerics.dtypes import as_compute, cast, dtype
 from jaxalign.numerics.kernels import select_attention
 from jaxalign.numerics.pallas_attention import pallas_chunked_attention
 from jaxalign.numerics.platforms import platform
-from jaxalign.numerics.reduce import expand, pad_to_tree_width, reduce_sum, tree_sum
+from jaxalign.numerics.reduce import divide_by, pad_to_tree_width, reduce_sum, tree_sum
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy,
@@ -164,10 +164,10 @@ def _full(qg, k, v, visible, policy, scale):
     s = _masked_scores(qg, k, visible, policy, scale)
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     e = precision.exp(s - m, policy)
-    # the denominator's broadcast back over the keys goes through `expand`: its gradient is then a tree sum, where
-    # an implicit broadcast's gradient was an XLA reduce ordered by how the backward was fused (a mesh's
-    # data-parallel program gave other q/k gradients than one device's; benchmarks/mesh_gradients.py)
-    p = e / expand(reduce_sum(e, policy, axis=-1, keepdims=True), -1, e.shape[-1], policy)
+    # the denominator's broadcast back over the keys goes through `expand` (in `divide_by`): its gradient is then a
+    # tree sum, where an implicit broadcast's gradient was an XLA reduce ordered by how the backward was fused (a
+    # mesh's data-parallel program gave other q/k gradients than one device's; benchmarks/mesh_gradients.py)
+    p = divide_by(e, reduce_sum(e, policy, axis=-1, keepdims=True), -1, policy)
     return _weighted_values(as_compute(p, policy), v, policy)
 
 
@@ -203,4 +203,4 @@ def _chunked(qg, k, v, visible, policy, chunk, scale):
     init = (jnp.full(bq, -jnp.inf, sdt), jnp.zeros(bq, sdt),
             jnp.zeros(qg.shape[:-1] + (dv,), jnp.float32))
     (m, l, acc), _ = lax.scan(step, init, (ks, vs, vis))
-    return acc / expand(jnp.transpose(l, (0, 3, 1, 2))[..., None].astype(jnp.float32), -1, dv, policy)
+    return divide_by(acc, jnp.transpose(l, (0, 3, 1, 2))[..., None].astype(jnp.float32), -1, policy)

@@ -17,6 +17,14 @@ def dtype(name: DType | str) -> jnp.dtype:
     return _DTYPES[name]
 
 
+def dtype_name(dt) -> str:
+    """The policy dtype name (`f32`, `bf16`, `f16`) of a jnp dtype."""
+    for name, candidate in _DTYPES.items():
+        if jnp.dtype(candidate) == jnp.dtype(dt):
+            return name
+    raise ValueError(f"dtype {dt} has no policy name; allowed: {', '.join(_DTYPES)}")
+
+
 def cast(x: jax.Array, name: DType | str) -> jax.Array:
     """Cast to a policy dtype, rounding for real when the target is narrower.
 

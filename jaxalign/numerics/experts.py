@@ -17,7 +17,7 @@ from jaxalign.numerics import precision
 from jaxalign.numerics.matmul import expert_matmul, gathered_matmul, grouped_matmul
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import cast, dtype
-from jaxalign.numerics.reduce import expand, reduce_sum, tree_broadcast
+from jaxalign.numerics.reduce import divide_by, reduce_sum, tree_broadcast
 
 
 def sigmoid(x: jax.Array, policy: NumericPolicy) -> jax.Array:
@@ -38,12 +38,11 @@ def normalize_gate_weights(weights: jax.Array, policy: NumericPolicy, *, renorma
     """The family's gate-weight normalisation of top-k scores [N, k]: divided by their sum when `renormalize`
     (the sum in the policy's reduction order, plus `epsilon` when given: DeepSeek-V3's 1e-20), then times
     `scale` when given (DeepSeek-V3's routed_scaling_factor). Computed in the weights' dtype."""
-    k = weights.shape[-1]
     if renormalize:
         denom = reduce_sum(weights, policy, axis=-1, keepdims=True)
         if epsilon is not None:
             denom = denom + jnp.asarray(epsilon, weights.dtype)
-        weights = weights / expand(denom, -1, k, policy)
+        weights = divide_by(weights, denom, -1, policy)
     if scale is not None:
         weights = weights * jnp.asarray(scale, weights.dtype)
     return weights

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxalign.numerics import precision
 from jaxalign.numerics.collectives import local_reduce, with_parameter
-from jaxalign.numerics.dtypes import as_compute, as_param, cast
+from jaxalign.numerics.dtypes import as_compute, as_param, cast, dtype_name
 from jaxalign.numerics.policy import NumericPolicy
 
 
@@ -94,12 +94,31 @@ def expand(x: jax.Array, axis: int, size: int, policy: NumericPolicy) -> jax.Arr
     return tree_broadcast(x, axis, size)
 
 
+def divide_by(x: jax.Array, denominator: jax.Array, axis: int, policy: NumericPolicy) -> jax.Array:
+    """x / denominator, the denominator size 1 along `axis` (a keepdims sum, e.g. a softmax's) and broadcast
+    back over it with `expand`.
+
+    Under `reduction=tree`: x times the broadcast reciprocal `1 / denominator`, both in float32, the product
+    rounded once to x's dtype (for float32 x: two roundings, as stated).
+    XLA's algebraic simplifier rewrites a division by a broadcast into exactly that, but only in some programs
+    (it kept the division where the broadcast had other users, as in a gradient program), so the same attention
+    weights differed by one float32 ulp between `token_logprobs`' program and the RL update's -- and where the
+    bf16 rounding after it sat on a tie, by one bf16 ulp, 0.013 in a logprob (found by an RL run on a mesh
+    under --xla_cpu_max_isa=AVX2; weights-dependent, any ISA). The simplifier never turns a product back into a
+    division, so every program rounds the same way. Under `reduction=xla` XLA decides."""
+    size = x.shape[axis]
+    if not policy.tree_reduction:
+        return x / expand(denominator, axis, size, policy)
+    inverse = 1.0 / denominator.astype(jnp.float32)
+    return cast(x.astype(jnp.float32) * expand(inverse, axis, size, policy), dtype_name(x.dtype))
+
+
 def softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str, axis: int = -1) -> jax.Array:
-    """Softmax computed in `dtype_name`; masked entries should be -inf."""
+    """Softmax computed in `dtype_name`; masked entries should be -inf. Normalised by `divide_by`."""
     x = cast(x, dtype_name)
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     e = precision.exp(shifted, policy)
-    return e / expand(reduce_sum(e, policy, axis=axis, keepdims=True), axis, x.shape[axis], policy)
+    return divide_by(e, reduce_sum(e, policy, axis=axis, keepdims=True), axis, policy)
 
 
 def log_softmax(x: jax.Array, policy: NumericPolicy, dtype_name: str = "f32", axis: int = -1) -> jax.Array:
