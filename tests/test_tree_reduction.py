@@ -86,7 +86,7 @@ def _forward_and_gradient_programs(fn, *args):
 
 @pytest.mark.bitwise
 def test_attention_weights_round_the_same_in_a_gradient_program():
-    """A division by a broadcast sum is left to XLA's simplifier, which made it a reciprocal-multiply in a
+    """A division by a broadcast sum is left to XLA:CPU's compiler, which made it a reciprocal-multiply in a
     forward program and kept the division in a gradient program: `token_logprobs` and the RL update's forward
     disagreed (ratio_mean 0.99977 instead of 1 on one device; found by the trainer-mesh RL test under AVX2).
     With compute=f32 nothing rounds the weights to bf16, so every one-ulp difference shows: 9,546 of these

@@ -18,7 +18,7 @@ from jaxalign.numerics.dtypes import as_compute, cast, dtype
 from jaxalign.numerics.kernels import select_attention
 from jaxalign.numerics.pallas_attention import pallas_chunked_attention
 from jaxalign.numerics.platforms import platform
-from jaxalign.numerics.reduce import divide_by, pad_to_tree_width, reduce_sum, tree_sum
+from jaxalign.numerics.reduce import divide_by, pad_to_tree_width, reduce_sum, tree_sum, uncontracted
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy,
@@ -195,9 +195,12 @@ def _chunked(qg, k, v, visible, policy, chunk, scale):
         safe_m = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
         corr = precision.exp(m - safe_m, policy)
         p = precision.exp(s - safe_m[..., None], policy)
-        l = l * corr + reduce_sum(p, policy, axis=-1)
+        # the rescaling products meet an add: rounded on their own in every program (docs/policies.md, "FMA
+        # contraction")
+        l = uncontracted(l * corr, policy) + reduce_sum(p, policy, axis=-1)
         pv = _weighted_values(as_compute(p, policy), vc, policy)  # [B, Q, KVH, G, D]
-        acc = acc * jnp.transpose(corr, (0, 3, 1, 2))[..., None].astype(jnp.float32) + pv
+        rescaled = acc * jnp.transpose(corr, (0, 3, 1, 2))[..., None].astype(jnp.float32)
+        acc = uncontracted(rescaled, policy) + pv
         return (m_new, l, acc), None
 
     init = (jnp.full(bq, -jnp.inf, sdt), jnp.zeros(bq, sdt),

@@ -5,7 +5,8 @@ multiply-adds that XLA:CPU lets LLVM fuse into FMAs on ISAs that have them (AVX2
 multiply and the add share a fusion -- which differs between a one-device program and a mesh's or another
 process's, so the same update rounded differently (a two-process RL run drifted from one device from its second
 step on an AVX2 CPU). Here each product is rounded on its own (`numerics.reduce.uncontracted`): the arithmetic is
-optax's, with two roundings per multiply-add in every program and under every ISA. The optimizer state has
+optax's, with two roundings per multiply-add in every program and under every ISA -- and one deliberate
+difference: the bias correction multiplies by the reciprocal where optax divides (`_bias_corrected`). The optimizer state has
 optax.adamw's structure (ScaleByAdamState, EmptyState, EmptyState), so checkpoints are interchangeable.
 """
 
@@ -17,6 +18,17 @@ import optax
 
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.reduce import uncontracted
+
+
+def _bias_corrected(moment, decay: float, count):
+    """optax's bias correction `t / (1 - decay**count)`, stated as `t * (1 / (1 - decay**count))`.
+
+    XLA:CPU's compiler turns a division by a broadcast scalar into that product in some programs and keeps the
+    division in others (where the broadcast has several users, e.g. leaves of one shape): the same leaf's update
+    took other bits when updated alone than beside other leaves (636 of 2,048 entries). The product is the form
+    it never rewrites back, so every program rounds alike (`numerics.reduce.divide_by` does the same for sums)."""
+    inverse = 1.0 / (1.0 - jnp.asarray(decay, jnp.float32) ** count)
+    return jax.tree.map(lambda t: t * inverse.astype(t.dtype), moment)
 
 
 def _scale_by_adam(b1: float, b2: float, eps: float, policy: NumericPolicy) -> optax.GradientTransformation:
@@ -32,8 +44,7 @@ def _scale_by_adam(b1: float, b2: float, eps: float, policy: NumericPolicy) -> o
         mu = jax.tree.map(lambda g, t: moment(g, t, b1), updates, state.mu)
         nu = jax.tree.map(lambda g, t: moment(g * g, t, b2), updates, state.nu)
         count = optax.safe_increment(state.count)
-        mu_hat = optax.tree.bias_correction(mu, b1, count)
-        nu_hat = optax.tree.bias_correction(nu, b2, count)
+        mu_hat, nu_hat = _bias_corrected(mu, b1, count), _bias_corrected(nu, b2, count)
         out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 

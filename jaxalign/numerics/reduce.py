@@ -100,12 +100,12 @@ def divide_by(x: jax.Array, denominator: jax.Array, axis: int, policy: NumericPo
 
     Under `reduction=tree`: x times the broadcast reciprocal `1 / denominator`, both in float32, the product
     rounded once to x's dtype (for float32 x: two roundings, as stated).
-    XLA's algebraic simplifier rewrites a division by a broadcast into exactly that, but only in some programs
+    XLA:CPU's compiler rewrites a division by a broadcast into exactly that, but only in some programs
     (it kept the division where the broadcast had other users, as in a gradient program), so the same attention
     weights differed by one float32 ulp between `token_logprobs`' program and the RL update's -- and where the
     bf16 rounding after it sat on a tie, by one bf16 ulp, 0.013 in a logprob (found by an RL run on a mesh
-    under --xla_cpu_max_isa=AVX2; weights-dependent, any ISA). The simplifier never turns a product back into a
-    division, so every program rounds the same way. Under `reduction=xla` XLA decides."""
+    under --xla_cpu_max_isa=AVX2; weights-dependent, any ISA). XLA's rewrites go from a division to a product,
+    never back, so every program rounds the same way. Under `reduction=xla` XLA decides."""
     size = x.shape[axis]
     if not policy.tree_reduction:
         return x / expand(denominator, axis, size, policy)
