@@ -51,6 +51,30 @@ def test_warm_start_is_cached_and_scores(base, tmp_path):
     assert trainer.evaluate() > 0.0  # the warm start already earns reward (format or correct answers)
 
 
+def test_after_its_first_step_a_run_lowers_no_new_program(base, tmp_path):
+    """A run's update, its old-policy scoring, its engine and its evaluation are specialised once, in the first
+    step: the steps after it (here after a resume from that step's checkpoint) lower nothing new. Fresh
+    parameters and optax's step counter are uncommitted arrays and the first update's outputs committed ones,
+    and jit specialises on that: before the run's starting state was placed on its device
+    (`sharding.on_first_device`), the second step lowered and compiled the update, the scoring and the engine's
+    programs a second time. Counted by JAX's lowering events, which fire whether or not the persistent
+    compilation cache then supplies the executable."""
+    trainer = Trainer(_model(base), _config(), str(tmp_path / "run"))
+    trainer.run(progress=False, stop_after=1)
+    lowerings = []
+
+    def count(event, duration, **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowerings.append(duration)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        rows = trainer.run(progress=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and "eval_reward" in rows[-1]
+    assert lowerings == [], f"{len(lowerings)} programs lowered after the first step"
+
+
 def test_aligned_arm_is_exactly_on_policy_and_misaligned_is_not(base, tmp_path):
     rows = Trainer(_model(base), _config(), str(tmp_path / "aligned")).run(progress=False)
     steps = [r for r in rows if r["step"] > 0]

@@ -185,6 +185,17 @@ def shard_state(state: nnx.State, mesh: Mesh | None) -> nnx.State:
     return jax.tree.map(lambda x, s: put_global(x, s), state, shardings)
 
 
+def on_first_device(tree):
+    """Every array of `tree` committed to this process's first local device.
+
+    jit compiles a function once per set of input placements, and a freshly created array (new parameters,
+    an optimizer's step counter) is uncommitted until it has passed through a jitted function: a loop that feeds
+    a step's outputs back in compiled its step twice (once for the fresh inputs, once for their committed
+    successors). Placing the loop's starting state here first makes the two calls one program."""
+    device = jax.local_devices()[0]
+    return jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x, tree)
+
+
 def put_global(x, sharding: NamedSharding) -> jax.Array:
     """device_put that also works when the mesh spans several processes (each puts only its own shards of a
     value every process holds: process-local data)."""

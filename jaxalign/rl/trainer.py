@@ -34,8 +34,8 @@ from flax import nnx
 from jaxalign.align.routing import routing_metrics
 from jaxalign.engine import Engine
 from jaxalign.model.scoring import sequence_logprobs, token_logprobs
-from jaxalign.model.sharding import (make_mesh, mesh_context, parse_mesh_spec, put_batch, put_global, replicated,
-                                     shard_state, state_shardings, to_host)
+from jaxalign.model.sharding import (make_mesh, mesh_context, on_first_device, parse_mesh_spec, put_batch, put_global,
+                                     replicated, shard_state, state_shardings, to_host)
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.collectives import replicate
@@ -220,6 +220,8 @@ class Trainer:
         self.engine = Engine(model, config.engine_policy, mesh=engine_mesh)
         self.graphdef, self.params = nnx.split(model)
         self.params = shard_state(self.params, self.mesh)
+        if self.mesh is None:
+            self.params = on_first_device(self.params)  # one update program from the first step on
         nnx.update(self.model, self.params)
         # the frozen reference for the optional KL penalty: the weights the run starts from
         self.reference = (nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.params))
@@ -243,9 +245,9 @@ class Trainer:
 
     # --- placement ------------------------------------------------------------------------------------------
     def _shard_opt_state(self, opt_state):
-        """Optimizer moments split like their parameters; counters replicated."""
+        """Optimizer moments split like their parameters; counters replicated (on one device: all on it)."""
         if self.mesh is None:
-            return opt_state
+            return on_first_device(opt_state)
         keystr = jax.tree_util.keystr
         by_path = {keystr(path): s for path, s in jax.tree_util.tree_flatten_with_path(
             state_shardings(self.params, self.mesh))[0]}
