@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxalign.model.config import ModelConfig
+from jaxalign.model.transformer import Transformer
 from jaxalign.rl.grpo import GRPOConfig
 from jaxalign.rl.sft import warm_start
 from jaxalign.rl.trainer import RLConfig, Trainer
@@ -51,15 +52,19 @@ def test_warm_start_is_cached_and_scores(base, tmp_path):
     assert trainer.evaluate() > 0.0  # the warm start already earns reward (format or correct answers)
 
 
-def test_after_its_first_step_a_run_lowers_no_new_program(base, tmp_path):
+def test_after_its_first_step_a_run_lowers_no_new_program(tmp_path):
     """A run's update, its old-policy scoring, its engine and its evaluation are specialised once, in the first
     step: the steps after it (here after a resume from that step's checkpoint) lower nothing new. Fresh
     parameters and optax's step counter are uncommitted arrays and the first update's outputs committed ones,
     and jit specialises on that: before the run's starting state was placed on its device
     (`sharding.on_first_device`), the second step lowered and compiled the update, the scoring and the engine's
     programs a second time. Counted by JAX's lowering events, which fire whether or not the persistent
-    compilation cache then supplies the executable."""
-    trainer = Trainer(_model(base), _config(), str(tmp_path / "run"))
+    compilation cache then supplies the executable. The model is a fresh one, as a user's first run has (a
+    loaded model's arrays are committed already); its engine copy is cast from the placed weights,
+    so the engine's programs too see the placement every later weight sync gives them."""
+    fresh = Transformer(ModelConfig.preset("countdown"), rngs=nnx.Rngs(0))
+    assert not any(x.committed for x in jax.tree.leaves(nnx.state(fresh)))
+    trainer = Trainer(fresh, _config(), str(tmp_path / "run"))
     trainer.run(progress=False, stop_after=1)
     lowerings = []
 

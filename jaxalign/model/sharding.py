@@ -188,10 +188,11 @@ def shard_state(state: nnx.State, mesh: Mesh | None) -> nnx.State:
 def on_first_device(tree):
     """Every array of `tree` committed to this process's first local device.
 
-    jit compiles a function once per set of input placements, and a freshly created array (new parameters,
-    an optimizer's step counter) is uncommitted until it has passed through a jitted function: a loop that feeds
-    a step's outputs back in compiled its step twice (once for the fresh inputs, once for their committed
-    successors). Placing the loop's starting state here first makes the two calls one program."""
+    jit specialises a function on whether each input is committed to a device. Fresh arrays (new parameters,
+    optax's step counter) are not; a loaded checkpoint's are, and so are a jitted step's outputs whenever any of
+    its inputs was. A loop starting from such a mix and feeding each step's outputs back in compiled its step
+    twice, and the programs reading those outputs (scoring, the engine) twice too. Placing the loop's starting
+    state here first makes every call after the first reuse its program."""
     device = jax.local_devices()[0]
     return jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x, tree)
 

@@ -19,7 +19,6 @@ from flax import nnx
 from jaxalign.checkpoint import load_model, save_model
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.scoring import sequence_logprobs
-from jaxalign.model.sharding import on_first_device
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.rl import countdown, tokenizer
@@ -158,7 +157,7 @@ def warm_start(model_config: ModelConfig, cfg: SFTConfig, cache_dir: str, *, pro
     policy = cfg.policy
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(cfg.learning_rate, 0.0, 1.0)
-    params, opt_state = on_first_device((params, optimizer.init(params)))  # one step program, not two
+    opt_state = optimizer.init(params)
 
     @jax.jit
     def step(params, opt_state, batch, batch_mask):

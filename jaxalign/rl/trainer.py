@@ -217,12 +217,12 @@ class Trainer:
         self.mesh = make_mesh(config.trainer_mesh) if config.trainer_mesh else None
         engine_devices = jax.local_devices() if jax.process_count() > 1 else None
         engine_mesh = make_mesh(config.engine_mesh, engine_devices) if config.engine_mesh else None
-        self.engine = Engine(model, config.engine_policy, mesh=engine_mesh)
         self.graphdef, self.params = nnx.split(model)
         self.params = shard_state(self.params, self.mesh)
-        if self.mesh is None:
-            self.params = on_first_device(self.params)  # one update program from the first step on
+        if self.mesh is None:  # placed as the updates will leave them: every program specialised once
+            self.params = on_first_device(self.params)
         nnx.update(self.model, self.params)
+        self.engine = Engine(model, config.engine_policy, mesh=engine_mesh)  # from the placed weights
         # the frozen reference for the optional KL penalty: the weights the run starts from
         self.reference = (nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.params))
                           if config.grpo.kl_coef > 0 else None)
