@@ -1,6 +1,6 @@
 """Where the test suite's time goes, by part, from one whole run under the compile-profile plugin:
 
-    PYTHONPATH=tests python -m pytest -q -p compile_profile --compile-profile suite.jsonl
+    PYTHONPATH=tests python -m pytest -q -p compile_profile --compile-profile=suite.jsonl
     python benchmarks/suite_time.py suite.jsonl
 
 Each test's row (tests/compile_profile.py) is put in one part -- the ISA legs, the multidevice suite, the
@@ -57,7 +57,7 @@ def read_profile(path: str) -> tuple[list[dict], dict | None]:
                 raise ValueError(f"{path}:{number}: expected a test row (`test`, `wall_s`, ...) or a session row, "
                                  f"got {line.strip()[:80]!r}")
     if not rows:
-        raise ValueError(f"{path}: no test rows; run the suite with `-p compile_profile --compile-profile {path}`")
+        raise ValueError(f"{path}: no test rows; run the suite with `-p compile_profile --compile-profile={path}`")
     return rows, session
 
 

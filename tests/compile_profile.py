@@ -1,6 +1,6 @@
 """Where the suite's time goes: a pytest plugin that adds up JAX's own compile-time events per test.
 
-    PYTHONPATH=tests python -m pytest -p compile_profile [--compile-profile FILE] tests/test_engine.py
+    PYTHONPATH=tests python -m pytest -p compile_profile [--compile-profile=FILE] tests/test_engine.py
 
 For every test it records wall seconds and the seconds JAX reports (`jax.monitoring` duration events) for
 tracing to a jaxpr, lowering to StableHLO and the backend compile, with the number of backend compiles, and the
@@ -12,6 +12,9 @@ run's wall and CPU seconds (its own and its children's: xdist workers and every 
 number of workers. The terminal summary lists the tests and the call sites with the most backend compile time.
 Tests that run pytest or the CLI in a subprocess (the ISA legs, the multidevice suite) show only their wall time:
 their compiles happen in the child. `python benchmarks/suite_time.py FILE` sums a whole run by part.
+Write the option as `--compile-profile=FILE`: pytest picks its rootdir before this plugin's option exists, so a
+separate FILE argument is taken for a test path, and one outside the project (`/tmp/x.jsonl`) moved the rootdir
+and every test id with it (tests/conftest.py refuses such a run).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def _listener(event: str, duration: float, **_) -> None:
 
 
 def pytest_addoption(parser):
-    """--compile-profile FILE."""
+    """--compile-profile=FILE (with `=`: see the module docstring)."""
     parser.addoption("--compile-profile", default="compile_profile.jsonl",
                      help="compile_profile plugin: the JSONL file its per-test rows are appended to")
 

@@ -92,7 +92,15 @@ def pytest_unconfigure(config):
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Group the tests for pytest-xdist (LONGEST_FIRST: one unit each, first; the rest by file, SHARED_PROGRAMS'
-    files together) and order them."""
+    files together) and order them. Both are keyed by node ids relative to the project root; ids relative to
+    another directory would leave every test unscheduled by them, silently, so that is refused."""
+    stray = [item.nodeid for item in items if not item.nodeid.startswith("tests/")]
+    if stray:
+        raise pytest.UsageError(
+            f"test ids are relative to {config.rootpath}, not the project root (e.g. {stray[0]!r}): pytest took a "
+            "path given to an option it did not know yet (a plugin's, e.g. `--compile-profile /tmp/x.jsonl`) for a "
+            "test path when it chose its rootdir; write such options as `--option=PATH`")
+
     def rank(item):
         return LONGEST_FIRST.index(item.nodeid) if item.nodeid in LONGEST_FIRST else len(LONGEST_FIRST)
     for item in items:
