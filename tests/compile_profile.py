@@ -6,7 +6,12 @@ For every test it records wall seconds and the seconds JAX reports (`jax.monitor
 tracing to a jaxpr, lowering to StableHLO and the backend compile, with the number of backend compiles, and the
 compile time the persistent cache saved, and which lines asked for the compiles (`sites`: the innermost
 frame outside the interpreter's libraries -- jaxalign's or the test's own code -- with its compile seconds and
-count), and whether it is marked `bitwise`. Rows are appended to FILE (default `compile_profile.jsonl`; one
+count), and whether it is marked `bitwise`. With the persistent compilation cache on (the suite's default) each
+backend compile is also listed in `programs` as [jit name, cache key, hash of its computation, hash of the devices
+it was compiled for, seconds] -- the key JAX computes (jax._src.cache_key) and logs at DEBUG, which this plugin
+reads -- and the row counts the `cache_hits` that spared a compile, so `benchmarks/suite_time.py` can tell a
+program compiled again (the same key twice: two workers at once) from one compiled once per device topology (the
+same computation, another device count) and from the distinct programs the tests need. Rows are appended to FILE (default `compile_profile.jsonl`; one
 JSON object per line, from every xdist worker); the controlling process adds a last `{"session": ...}` row with the
 run's wall and CPU seconds (its own and its children's: xdist workers and every process they started) and the
 number of workers. The terminal summary lists the tests and the call sites with the most backend compile time.
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
+import re
 import resource
 import sysconfig
 import time
@@ -39,7 +46,41 @@ _counts: collections.Counter = collections.Counter()
 _site_seconds: collections.Counter = collections.Counter()
 _site_counts: collections.Counter = collections.Counter()
 _rows: list[dict] = []
+_programs: list[list] = []
+_cache_hits = [0]
 _LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+class _CacheKeyLog(logging.Handler):
+    """Reads the DEBUG lines JAX logs while it computes a program's persistent-cache key and looks it up: the
+    hashes of the serialized computation and accelerator config, then a miss (a compile follows) or a hit."""
+
+    _HASH = re.compile(r"get_cache_key hash of serialized (computation|accelerator_config): (\w+)")
+    _LOOKUP = re.compile(r"(PERSISTENT COMPILATION CACHE MISS|Persistent compilation cache hit) for '([^']+)' "
+                         r"with key '([^']+)'")
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.hashes: dict[str, str] = {}
+        self.miss: tuple[str, str, str, str] | None = None  # (name, key, computation, accelerator) to compile
+        self.hit = False  # the next backend-compile event is a load from the cache
+
+    def emit(self, record):
+        message = record.getMessage()
+        found = self._HASH.match(message)
+        if found:
+            self.hashes[found.group(1)] = found.group(2)[:16]
+            return
+        found = self._LOOKUP.match(message)
+        if found and found.group(1).startswith("Persistent"):
+            _cache_hits[0] += 1
+            self.hit = True
+        elif found:
+            key = found.group(3).rsplit("-", 1)[-1][:16]
+            self.miss = (found.group(2), key, self.hashes.get("computation"), self.hashes.get("accelerator_config"))
+
+
+_KEY_LOG = _CacheKeyLog()
 
 
 def _call_site() -> str:
@@ -58,6 +99,12 @@ def _listener(event: str, duration: float, **_) -> None:
         _seconds[EVENTS[event]] += duration
         _counts[EVENTS[event]] += 1
     if EVENTS.get(event) == "compile_s":
+        if _KEY_LOG.hit:  # JAX reports loading an executable from the persistent cache as a backend compile
+            _KEY_LOG.hit = False
+        else:
+            name, key, computation, devices = _KEY_LOG.miss or (None, None, None, None)
+            _programs.append([name, key, computation, devices, duration])
+        _KEY_LOG.miss = None
         site = _call_site()
         _site_seconds[site] += duration
         _site_counts[site] += 1
@@ -82,6 +129,10 @@ def pytest_configure(config):
         open(config.getoption("--compile-profile"), "w").close()
         config._compile_profile_start = (time.perf_counter(), _cpu_seconds())
     jax.monitoring.register_event_duration_secs_listener(_listener)
+    for name in ("jax._src.cache_key", "jax._src.compiler"):
+        logger = logging.getLogger(name)
+        logger.addHandler(_KEY_LOG)
+        logger.setLevel(logging.DEBUG)
 
 
 def pytest_unconfigure(config):
@@ -101,12 +152,16 @@ def pytest_runtest_protocol(item, nextitem):
     seconds, counts, start = dict(_seconds), dict(_counts), time.perf_counter()
     _site_seconds.clear()
     _site_counts.clear()
+    _programs.clear()
+    _cache_hits[0] = 0
     yield
     row = {"test": item.nodeid, "wall_s": time.perf_counter() - start,
            "bitwise": item.get_closest_marker("bitwise") is not None}
     row.update({name: _seconds[name] - seconds.get(name, 0.0) for name in EVENTS.values()})
     row["compiles"] = _counts["compile_s"] - counts.get("compile_s", 0)
     row["sites"] = {site: [s, _site_counts[site]] for site, s in _site_seconds.most_common()}
+    row["programs"] = [list(p) for p in _programs]
+    row["cache_hits"] = _cache_hits[0]
     _rows.append(row)
 
 

@@ -15,6 +15,8 @@ import pytest
 
 def test_compiles_one_program():
     assert float(jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.arange(7.0)).sum()) != 0.0
+    jax.clear_caches()  # the same program again: loaded from the persistent cache, not compiled
+    assert float(jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.arange(7.0)).sum()) != 0.0
 
 @pytest.mark.bitwise
 def test_compiles_nothing():
@@ -31,7 +33,9 @@ def test_compile_profile_counts_each_tests_own_compiles(tmp_path):
     (tmp_path / "conftest.py").write_text(_CONFTEST)
     out = tmp_path / "profile.jsonl"
     out.write_text('{"test": "a stale row from an earlier run"}\n')  # replaced, not appended to
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}  # compile for real
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}  # compile for real,
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jit-cache")  # into a cache of the test's own
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "compile_profile", "-p", "no:cacheprovider",
                            f"--compile-profile={out}", "test_two.py"], cwd=tmp_path, env=env, capture_output=True,
@@ -50,7 +54,16 @@ def test_compile_profile_counts_each_tests_own_compiles(tmp_path):
     assert plain["bitwise"] and not jitted["bitwise"]
     # the compile is charged to the test's own line that called the jitted function (jax's frames skipped)
     site = "test_two.py:6:test_compiles_one_program"
-    assert set(jitted["sites"]) == {site} and jitted["sites"][site][1] == jitted["compiles"]
-    assert jitted["sites"][site][0] == pytest.approx(jitted["compile_s"]) and plain["sites"] == {}
+    assert set(jitted["sites"]) == {site, site.replace(":6:", ":8:")} and plain["sites"] == {}
+    assert sum(s for s, _ in jitted["sites"].values()) == pytest.approx(jitted["compile_s"])
+    # each compile listed with its persistent-cache key; the second call was a cache hit, not a compile
+    # (JAX reports the load as a backend compile too: `compiles` counts both, `programs` the compiles only)
+    loaded, compiled = jitted["sites"][site.replace(":6:", ":8:")], jitted["sites"][site]
+    assert jitted["cache_hits"] == loaded[1] == compiled[1] and jitted["compiles"] == 2 * compiled[1]
+    assert len(jitted["programs"]) == compiled[1] and "jit__lambda" in [p[0] for p in jitted["programs"]]
+    for name, key, computation, devices, seconds in jitted["programs"]:
+        assert all(isinstance(h, str) and len(h) == 16 and int(h, 16) >= 0 for h in (key, computation, devices))
+    assert sum(p[4] for p in jitted["programs"]) == pytest.approx(compiled[0])
+    assert plain["programs"] == [] and plain["cache_hits"] == 0
     assert "compile profile" in proc.stdout and "test_compiles_one_program" in proc.stdout
     assert "call sites with the most backend compile time" in proc.stdout and site in proc.stdout

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from suite_time import FLOOR, main, read_profile, summarize  # noqa: E402
+from suite_time import FLOOR, main, programs_summary, read_profile, summarize  # noqa: E402
 
 
 def _row(test, wall, bitwise=False, compile_s=0.0, trace_s=0.0, lower_s=0.0):
@@ -73,8 +73,12 @@ def test_a_profile_file_round_trips_and_garbage_is_refused_with_its_line(tmp_pat
     assert "the 2 of 7 test files" in capsys.readouterr().out and len(json.loads(out.read_text())["files"]) == 7
     with pytest.raises(SystemExit):
         main([str(good), "--out", str(out), "--files", "-1"])
+    assert "no per-compile records in this profile" in printed  # these rows list no programs
     for text, needle in (("{not json\n", ":1: not a JSON line"), ('{"tests": 1}\n', ":1: expected a test row"),
-                         (json.dumps(ROWS[0]) + "\n[1, 2]\n", ":2: expected a test row"), ("\n", "no test rows")):
+                         (json.dumps(ROWS[0]) + "\n[1, 2]\n", ":2: expected a test row"), ("\n", "no test rows"),
+                         (json.dumps({**ROWS[0], "programs": [["jit_f", "k", "c", "d"]]}) + "\n", ":1: `programs`"),
+                         (json.dumps({**ROWS[0], "programs": [["jit_f", "k", "c", "d", "1s"]]}) + "\n",
+                          ":1: `programs`")):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(text)
         with pytest.raises(ValueError, match=needle):
@@ -82,3 +86,28 @@ def test_a_profile_file_round_trips_and_garbage_is_refused_with_its_line(tmp_pat
     with pytest.raises(SystemExit):  # the command names the file and the line, and writes nothing
         main([str(bad), "--out", str(tmp_path / "none.json")])
     assert not (tmp_path / "none.json").exists()
+
+
+def test_programs_are_split_into_repeats_other_keys_and_distinct_ones(tmp_path, capsys):
+    # [name, cache key, computation, devices, seconds], in the order the tests ran
+    first = _row("tests/test_a.py::test_one", 10.0) | {"cache_hits": 2, "programs": [
+        ["jit_run_static", "k1", "c1", "d1", 6.0], ["jit__forward", "k2", "c2", "d1", 2.0],
+        [None, None, None, None, 0.5]]}  # compiled without a persistent cache: totals only
+    second = _row("tests/test_b.py::test_two", 9.0) | {"cache_hits": 1, "programs": [
+        ["jit_run_static", "k1", "c1", "d1", 5.0],  # the same key again: another worker at the same time
+        ["jit__forward", "k3", "c2", "d8", 3.0],  # the same computation for another device count
+        ["jit_run_static", "k4", "c4", "d1", 4.0]]}
+    summary = programs_summary([first, second, _row("tests/test_c.py::test_none", 1.0)])
+    assert summary["all"] == {"compiles": 6, "seconds": 20.5} and summary["cache_hits"] == 3
+    assert summary["again"] == {"compiles": 1, "seconds": 5.0}
+    assert summary["other_key"] == {"compiles": 1, "seconds": 3.0}
+    assert summary["distinct"] == {"compiles": 4, "seconds": 12.5}  # k1, k2, k4 and the keyless one
+    assert [(n["name"], n["compiles"], n["seconds"]) for n in summary["by_name"]] == [
+        ("jit_run_static", 3, 15.0), ("jit__forward", 2, 5.0), ("?", 1, 0.5)]
+    profile = tmp_path / "suite.jsonl"
+    profile.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    out = tmp_path / "suite_time.json"
+    assert main([str(profile), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"of a key compiled before +1 +5\.0", printed) and re.search(r"distinct programs +4 +12\.5", printed)
+    assert json.loads(out.read_text())["programs"]["other_key"] == {"compiles": 1, "seconds": 3.0}
