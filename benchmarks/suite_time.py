@@ -161,11 +161,11 @@ def main(argv=None) -> int:
         print(f"session: {session['wall_s'] / 60:.1f} min wall, {session['cpu_s']:.0f} s CPU, "
               f"{summary['workers']} workers")
     compiles_table = report.table(
-        [{"compiles": label, "n": programs[key]["compiles"], "seconds": round(programs[key]["seconds"], 1)}
+        [{"compiles": label, "n": programs[key]["compiles"], "seconds": round(programs[key]["seconds"])}
          for key, label in (("all", "all backend compiles"), ("again", "of a key compiled before"),
                             ("other_key", "of a computation compiled under another key"),
                             ("distinct", "distinct programs"))], ["compiles", "n", "seconds"])
-    by_name = report.table([{**n, "seconds": round(n["seconds"], 1)} for n in programs["by_name"][:8]],
+    by_name = report.table([{**n, "seconds": round(n["seconds"])} for n in programs["by_name"][:8]],
                            ["name", "compiles", "seconds"])
     if any("programs" in row for row in rows):
         print(f"in-process backend compiles ({programs['cache_hits']} persistent-cache hits spared others; "
