@@ -114,12 +114,13 @@ def test_resume_is_exact_and_runs_are_deterministic(base, tmp_path):
 
 
 def test_nan_guard_stops_with_a_resumable_checkpoint(base, tmp_path):
-    model = _model(base)
-    trainer = Trainer(model, _config(), str(tmp_path / "nan"))
+    trainer = Trainer(_model(base), _config(), str(tmp_path / "nan"))
     trainer.run(progress=False, stop_after=1)
-    leaf = model.blocks[0].attn.q_proj.w
+    # NaN into the trainer's own copy of the weights (the caller's model is never touched), which holds the arrays
+    # as the updates place them: the next update runs the program the first one compiled
+    leaf = trainer.model.blocks[0].attn.q_proj.w
     leaf[...] = leaf[...] * np.nan
-    trainer.params = nnx.split(model)[1]
+    trainer.params = nnx.split(trainer.model)[1]
     with pytest.raises(FloatingPointError, match="last good state is checkpointed"):
         trainer.run(progress=False, resume=False)
     assert trainer.checkpoints.latest_step() == 1
