@@ -11,7 +11,7 @@ from jaxalign import NumericPolicy
 from jaxalign.numerics.select import argmax, top_k
 from jaxalign.numerics.experts import _buffer_slots, bucket_index, bucket_sizes, dispatch
 
-from conftest import build_model, random_tokens
+from conftest import build_model, forward_logits, random_tokens
 from reference import forward as reference_forward
 
 FP32 = NumericPolicy.preset("fp32")
@@ -123,7 +123,7 @@ def test_bucketed_model_gradients_match_dense():
 def test_bucketed_fp32_matches_float64_reference(preset):
     model = build_model(preset)
     tokens = random_tokens(model.config, 2, 16, seed=1)
-    logits, record = model(jnp.asarray(tokens), policy=FP32.replace(dispatch="bucketed"))
+    logits, record = forward_logits(model, jnp.asarray(tokens), FP32.replace(dispatch="bucketed"))
     ref_logits, ref_idx = reference_forward(model, tokens)
     np.testing.assert_array_equal(np.asarray(record.indices), ref_idx)
     err = np.max(np.abs(np.asarray(logits, np.float64) - ref_logits)) / np.max(np.abs(ref_logits))

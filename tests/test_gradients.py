@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxalign import NumericPolicy, sequence_logprobs
 
-from conftest import build_model, random_tokens
+from conftest import build_model, forward_logits, random_tokens
 
 
 def _grads(model, tokens, policy, replay):
@@ -28,9 +28,10 @@ def test_bf16_gradients_match_fp32(name):
     tokens = jnp.asarray(random_tokens(model.config, 4, 24, seed=6))
     fp32, bf16 = NumericPolicy.preset("fp32"), NumericPolicy.preset(name)
     # Same experts on both sides (R2-style replay of the fp32 routing), so only precision differs.
-    _, record = model(tokens, policy=fp32)
+    _, record = forward_logits(model, tokens, fp32)
     g32 = jax.tree.leaves(_grads(model, tokens, fp32, record.indices))
-    g16 = jax.tree.leaves(_grads(model, tokens, bf16, record.indices))
+    g16_tree = _grads(model, tokens, bf16, record.indices)
+    g16 = jax.tree.leaves(g16_tree)
     assert len(g32) == len(g16) > 10
     checked = 0
     for a, b in zip(g32, g16):
@@ -42,8 +43,7 @@ def test_bf16_gradients_match_fp32(name):
             assert np.linalg.norm(a - b) <= 0.05 * norm, (np.linalg.norm(a - b) / norm)
     assert checked > 10
     # the router receives gradient through the recomputed gate weights even under replay
-    router_grads = [np.abs(np.asarray(g)).sum() for path, g in
-                    jax.tree_util.tree_leaves_with_path(_grads(model, tokens, bf16, record.indices))
+    router_grads = [np.abs(np.asarray(g)).sum() for path, g in jax.tree_util.tree_leaves_with_path(g16_tree)
                     if "router" in jax.tree_util.keystr(path)]
     assert router_grads and all(g > 0 for g in router_grads)
 
@@ -56,7 +56,7 @@ def test_custom_backward_passes_match_autodiff_in_fp32(preset):
     tokens = jnp.asarray(random_tokens(model.config, 3, 20, seed=2))
     plain = NumericPolicy.preset("fp32")
     custom = plain.replace(matmul_kernel="tiled:8", reduction="tree", dispatch="sorted")
-    _, record = model(tokens, policy=plain)
+    _, record = forward_logits(model, tokens, plain)
     for a, b in zip(jax.tree.leaves(_grads(model, tokens, plain, record.indices)),
                     jax.tree.leaves(_grads(model, tokens, custom, record.indices))):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -76,12 +76,14 @@ def test_clipping_norm_in_tree_order_matches_optax():
     tokens = jnp.asarray(random_tokens(model.config, 3, 20, seed=2))
     grads = _grads(model, tokens, NumericPolicy.preset("fp32"), None)
     tree = NumericPolicy.preset("aligned-bf16")
-    reference = float(optax.tree.norm(grads))
+    # jitted, as the trainer runs them (op by op, each leaf's ops would compile apart)
+    norm = jax.jit(optax.tree.norm)
+    reference = float(norm(grads))
     for policy in (NumericPolicy.preset("fp32"), tree):
-        assert float(global_norm(grads, policy)) == pytest.approx(reference, rel=1e-6)
+        assert float(jax.jit(global_norm, static_argnums=1)(grads, policy)) == pytest.approx(reference, rel=1e-6)
     max_norm = reference / 3  # clipping active
-    ours, _ = clip_by_global_norm(max_norm, tree).update(grads, optax.EmptyState())
-    theirs, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+    ours = jax.jit(lambda g: clip_by_global_norm(max_norm, tree).update(g, optax.EmptyState())[0])(grads)
+    theirs = jax.jit(lambda g: optax.clip_by_global_norm(max_norm).update(g, optax.EmptyState())[0])(grads)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
-    assert float(optax.tree.norm(ours)) == pytest.approx(max_norm, rel=1e-6)
+    assert float(norm(ours)) == pytest.approx(max_norm, rel=1e-6)

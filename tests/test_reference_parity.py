@@ -6,7 +6,7 @@ import pytest
 
 from jaxalign import NumericPolicy
 
-from conftest import FAMILY_PRESETS, build_model, random_tokens
+from conftest import FAMILY_PRESETS, build_model, forward_logits, random_tokens
 from reference import forward as reference_forward
 
 FP32 = NumericPolicy.preset("fp32")
@@ -66,7 +66,7 @@ def test_dsa_selections_and_logits_match_float64_reference(form):
     sparse attention over them gives the reference's logits."""
     model = build_model("tiny-glm5")
     tokens = random_tokens(model.config, 2, 24, seed=4)
-    logits, record = model(jnp.asarray(tokens), policy=NumericPolicy.parse(f"fp32,mla={form}"))
+    logits, record = forward_logits(model, jnp.asarray(tokens), NumericPolicy.parse(f"fp32,mla={form}"))
     ref_logits, _, ref_index = reference_forward(model, tokens, return_index=True)
     ours = np.sort(np.asarray(record.index_positions), -1)
     differs = (ours != np.sort(ref_index, -1)).any(-1)
