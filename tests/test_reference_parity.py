@@ -20,7 +20,7 @@ def _rel_err(a, b):
 def test_fp32_matches_float64_reference(preset):
     model = build_model(preset)
     tokens = random_tokens(model.config, 2, 16, seed=1)
-    logits, record = model(jnp.asarray(tokens), policy=FP32)
+    logits, record = model(jnp.asarray(tokens), policy=FP32)  # op by op on purpose: the eager path stays covered
     ref_logits, ref_idx = reference_forward(model, tokens)
     # A genuine near-tie could legitimately pick another expert in f32; this seed has none (checked here so a
     # failure says why).
