@@ -31,10 +31,13 @@ def test_policies_table_and_help():
 
 
 def test_compare_json_reports_each_batch():
-    out = _run("compare", "--model", "tiny", "--trainer", "aligned-bf16", "--engine", "aligned-bf16",
-               "--prompts", "4", "--max-new-tokens", "4", "--engine-batch", "1,4", "--json").stdout
+    # the settings of tests/test_alignment.py's static bitwise case: the engine programs at batch 1 and 8 and the
+    # scoring program are the ones it compiles (the run's persistent compilation cache has them for either)
+    out = _run("compare", "--model", "small", "--trainer", "aligned-bf16", "--engine", "aligned-bf16",
+               "--prompts", "32", "--max-new-tokens", "12", "--seed", "1", "--engine-batch", "1,8",
+               "--json").stdout
     data = json.loads(out)
-    assert [r["engine_batch"] for r in data["runs"]] == [1, 4]
+    assert [r["engine_batch"] for r in data["runs"]] == [1, 8]
     for run in data["runs"]:
         assert run["max_abs_logp_diff"] == 0.0 and run["route_flip_rate"] == 0.0 and run["k3_kl"] == 0.0
         for key in ("kl", "chi2_token", "chi2_seq", "training_ppl", "rollout_ppl", "log_ppl_abs_diff",

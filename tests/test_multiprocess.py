@@ -10,12 +10,8 @@ import sys
 
 import pytest
 
-from jaxalign.model.config import ModelConfig
-from jaxalign.rl.sft import warm_start
-from jaxalign.rl.trainer import Trainer
-
 from isa import child_env
-from rl_settings import SFT, rl_config, strip_timing
+from rl_settings import one_device_rows, strip_timing
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -28,10 +24,9 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_processes_train_checkpoint_and_resume_like_one_device(tmp_path):
-    cache = str(tmp_path / "cache")
     # two steps (tests/multidevice/rl_worker.py runs them too): the first stops, checkpoints and is resumed from
-    reference = strip_timing(Trainer(warm_start(ModelConfig.preset("countdown"), SFT, cache, progress=False),
-                                     rl_config(steps=2), str(tmp_path / "single")).run(progress=False))
+    reference = one_device_rows(str(tmp_path), steps=2)
+    cache = str(tmp_path / "sft")  # the warm start the reference made, which the workers load
     port = _free_port()
     procs, outs = [], []
     for pid in range(2):
