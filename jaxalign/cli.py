@@ -91,7 +91,7 @@ def cmd_localize(args) -> int:
     trainer_mesh, engine_mesh = meshes(args)
     result = localize(build_model(args.model, args.model_seed), args.trainer, args.engine, n_prompts=args.prompts,
                       max_new_tokens=args.max_new_tokens, seed=args.seed, replay=args.replay,
-                      trainer_mesh=trainer_mesh, engine_mesh=engine_mesh)
+                      trainer_mesh=trainer_mesh, engine_mesh=engine_mesh, attribute=args.attribute)
     if args.json:
         print(report.to_json(result))
         return 0
@@ -100,15 +100,19 @@ def cmd_localize(args) -> int:
           f"engine:  {result['engine']} (mesh {result['engine_mesh']})")
     print(f"full gap (teacher-forced, {result['n_tokens']} tokens): k3 {report.fmt(base['k3_kl'])}, "
           f"max |dlogp| {report.fmt(base['max_abs_logp_diff'])}, route flips {report.fmt(base['route_flip_rate'])}")
-    print("\nfields, ranked (k3 with only this field switched to the engine's value; k3 removed by switching "
-          "only it back):")
-    print(report.table(result["fields"], ["field", "trainer", "engine", "k3_alone", "k3_removed", "score"]))
-    print("\nparts, ranked (k3 drop when the part joins the trainer's policy, in model order):")
-    print(report.table(result["parts"], ["part", "contribution", "k3_after_joining_trainer"]))
-    print("\nmodule swap (one module kind taken from the trainer's policy in every layer):")
-    print(report.table(result["modules"], ["module", "reduction", "k3_with_module_from_trainer",
-                                            "route_flip_rate"]))
-    print(f"\nlargest contributor: {result['culprit']}")
+    if "fields" in result["attributed"]:
+        print("\nfields, ranked (k3 with only this field switched to the engine's value; k3 removed by switching "
+              "only it back):")
+        print(report.table(result["fields"], ["field", "trainer", "engine", "k3_alone", "k3_removed", "score"]))
+    if "parts" in result["attributed"]:
+        print("\nparts, ranked (k3 drop when the part joins the trainer's policy, in model order):")
+        print(report.table(result["parts"], ["part", "contribution", "k3_after_joining_trainer"]))
+    if "modules" in result["attributed"]:
+        print("\nmodule swap (one module kind taken from the trainer's policy in every layer):")
+        print(report.table(result["modules"], ["module", "reduction", "k3_with_module_from_trainer",
+                                                "route_flip_rate"]))
+    if result["culprit"] is not None:
+        print(f"\nlargest contributor: {result['culprit']}")
     return 0
 
 
@@ -295,7 +299,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     from jaxalign.align.compare import compare
-    from jaxalign.align.localize import localize
+    from jaxalign.align.localize import ATTRIBUTIONS, check_attributions, localize
     from jaxalign.engine.engine import SCHEDULES
     p = sub.add_parser("compare", help="generate with the engine policy, score with the trainer policy, "
                                        "report KL / k3 / route flips per engine batch size")
@@ -317,6 +321,9 @@ def make_parser() -> argparse.ArgumentParser:
     add_policy_args(p, **GAP_PAIR, trainer_help="trainer policy (A)", engine_help="engine policy (B)")
     add_replay_arg(p, func=localize, choices=ENGINE_REPLAY_MODES, help="router replay on the trainer side")
     add_generation_args(p, func=localize)
+    p.add_argument("--attribute", type=checked_text(check_attributions), default=",".join(ATTRIBUTIONS),
+                   help="comma-separated analyses to run, of " + ", ".join(ATTRIBUTIONS) + " (default all; each "
+                        "variant is a program to compile: fields alone skips the n_layers + 4 of the others)")
     add_json_arg(p)
     add_mesh_args(p)
     p.set_defaults(func=cmd_localize)

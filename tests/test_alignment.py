@@ -5,7 +5,7 @@ import pytest
 
 from jaxalign import NumericPolicy
 from jaxalign.align.compare import compare
-from jaxalign.align.localize import localize
+from jaxalign.align.localize import check_attributions, localize
 
 from conftest import build_model
 
@@ -59,13 +59,24 @@ def test_replay_alone_is_insufficient_but_matching_the_combine_closes_the_gap():
     ("kv_cache_dtype", "bf16"),
 ])
 def test_localize_names_the_planted_culprit(planted):
-    """Trainer fp32; engine fp32 plus the planted field and a benign difference (tiled kernel in fp32)."""
+    """Trainer fp32; engine fp32 plus the planted field and a benign difference (tiled kernel in fp32). Only the
+    fields are attributed: the parts and modules would be six more programs, which the hf-pair test runs."""
     model = build_model("tiny")
     trainer = NumericPolicy.preset("fp32")
     engine = trainer.replace(matmul_kernel="tiled:8", **{planted[0]: planted[1]})
-    result = localize(model, trainer, engine, n_prompts=8, max_new_tokens=12, seed=3)
+    result = localize(model, trainer, engine, n_prompts=8, max_new_tokens=12, seed=3, attribute=("fields",))
     assert result["culprit"] == planted[0], result["fields"]
     assert result["fields"][0]["score"] > 10 * result["fields"][1]["score"]
+    assert result["attributed"] == ["fields"] and result["parts"] == [] and result["modules"] == []
+
+
+def test_localize_refuses_an_unknown_attribution_before_it_generates():
+    model = build_model("tiny")
+    for bad, says in [(("fields", "layers"), "unknown: 'layers'"), ((), "one or more of fields, parts, modules"),
+                      (("parts", "parts"), "each once")]:
+        with pytest.raises(ValueError, match=says):
+            localize(model, NumericPolicy.preset("fp32"), NumericPolicy.preset("serve-bf16"), attribute=bad)
+    assert check_attributions("modules, fields") == ("fields", "modules")  # the CLI's comma-separated form
 
 
 def test_localize_ranks_the_combine_path_first_for_hf_paths():

@@ -49,6 +49,7 @@ def test_compare_json_reports_each_batch():
     (("compare", "--trainer", "compute=fp8"), "compute"),
     (("compare", "--model", "huge"), "allowed: tiny"),
     (("compare", "--engine-batch", "0"), "positive ints"),
+    (("localize", "--attribute", "fields,layers"), "expected one or more of fields, parts, modules"),
     (("experiment", "countdown", "--sft-answers", "habit:1.5", "--out", "unused"), "habit:P with 0 <= P <= 1"),
 ])
 def test_bad_arguments_explain_themselves(args, needle):

@@ -8,6 +8,10 @@ engine side's policy varied one piece at a time and the trainer side fixed at A:
 - parts: `embed`, `layer0..`, `head` taken from A in order (the first i parts under A, the rest under B); a
   part's contribution is how much the gap drops when it joins A.
 - modules: only the attention, or only the MoE/MLP blocks, taken from A (the seed's module swap).
+
+Each variant is a program of its own (a policy is static in the compiled forward): 2 per differing field,
+n_layers + 2 for the parts, 2 for the modules. `attribute` names the analyses to run, so a study of the fields
+alone on a large model does not compile the other n_layers + 4.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from jaxalign.numerics.schedule import PolicySchedule
 from jaxalign.replay_modes import ENGINE_REPLAY_MODES, check_replay
 
 import numpy as np
+
+ATTRIBUTIONS = ("fields", "parts", "modules")
 
 
 class _Scorer:
@@ -50,12 +56,14 @@ class _Scorer:
 
 def localize(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *, n_prompts: int = 16,
              max_new_tokens: int = 32, seed: int = 0, temperature: float = 1.0, replay: str = "none",
-             trainer_mesh=None, engine_mesh=None) -> dict:
+             trainer_mesh=None, engine_mesh=None, attribute: tuple[str, ...] = ATTRIBUTIONS) -> dict:
     """Attribute the trainer-engine gap to fields, parts and modules. Returns a JSON-ready report whose
     `fields`, `parts` and `modules` lists are each sorted by contribution (largest first).
     `trainer_mesh` / `engine_mesh`: where each side's passes run (None = one device); the mesh difference
-    itself is then part of the baseline gap."""
+    itself is then part of the baseline gap. `attribute`: which of ATTRIBUTIONS to compute (the report's
+    `attributed`); the others' lists are left empty, and `culprit` is None without `fields`."""
     check_replay(replay, ENGINE_REPLAY_MODES)
+    attribute = check_attributions(attribute)
     diff = trainer.diff(engine)
     if not diff and trainer_mesh is None and engine_mesh is None:
         raise ValueError("trainer and engine policies are identical; there is nothing to localise")
@@ -67,7 +75,7 @@ def localize(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, 
     baseline = scorer.gap(engine)
 
     fields = []
-    for name, a_value, b_value in diff:
+    for name, a_value, b_value in (diff if "fields" in attribute else ()):
         row = {"field": name, "trainer": a_value, "engine": b_value}
         for label, variant in (("alone", lambda: trainer.replace(**{name: b_value})),
                                ("without", lambda: engine.replace(**{name: a_value}))):
@@ -84,7 +92,7 @@ def localize(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, 
 
     part_names = ["embed"] + [f"layer{i}" for i in range(model.config.n_layers)] + ["head"]
     parts, previous = [], baseline["k3_kl"]
-    for i, part in enumerate(part_names):
+    for i, part in enumerate(part_names if "parts" in attribute else ()):
         schedule = PolicySchedule(engine, tuple((p, trainer) for p in part_names[: i + 1]))
         k3 = scorer.gap(schedule)["k3_kl"]
         parts.append({"part": part, "k3_after_joining_trainer": k3, "contribution": previous - k3})
@@ -92,7 +100,7 @@ def localize(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, 
     parts.sort(key=lambda r: -r["contribution"])
 
     modules = []
-    for module in ("attn", "mlp"):
+    for module in (("attn", "mlp") if "modules" in attribute else ()):
         gap = scorer.gap(PolicySchedule(engine, ((module, trainer),)))
         modules.append({"module": module, "k3_with_module_from_trainer": gap["k3_kl"],
                         "route_flip_rate": gap["route_flip_rate"],
@@ -100,5 +108,17 @@ def localize(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, 
     modules.sort(key=lambda r: -r["reduction"])
     return {"trainer": str(trainer), "engine": str(engine), "replay": replay, "baseline": baseline,
             "trainer_mesh": mesh_description(trainer_mesh), "engine_mesh": mesh_description(engine_mesh),
-            "fields": fields, "parts": parts, "modules": modules, "n_tokens": int(rollout.mask.sum()),
-            "culprit": fields[0]["field"] if fields else "mesh"}
+            "attributed": list(attribute), "fields": fields, "parts": parts, "modules": modules,
+            "n_tokens": int(rollout.mask.sum()),
+            "culprit": (fields[0]["field"] if fields else "mesh") if "fields" in attribute else None}
+
+
+def check_attributions(attribute) -> tuple[str, ...]:
+    """`attribute` as a tuple in ATTRIBUTIONS' order; a clear error for an empty, unknown or repeated name (a
+    string is taken as comma-separated names)."""
+    names = [n.strip() for n in attribute.split(",")] if isinstance(attribute, str) else list(attribute)
+    unknown = [n for n in names if n not in ATTRIBUTIONS]
+    if not names or unknown or len(set(names)) != len(names):
+        raise ValueError(f"localize attribute={attribute!r}: expected one or more of {', '.join(ATTRIBUTIONS)}, "
+                         f"each once" + (f"; unknown: {', '.join(map(repr, unknown))}" if unknown else ""))
+    return tuple(n for n in ATTRIBUTIONS if n in names)
