@@ -81,6 +81,15 @@ SHARED_PROGRAMS = {
     "glm5 engine and scoring programs": ("tests/test_check.py", "tests/test_index_replay.py", "tests/test_mla.py"),
 }
 _FILE_GROUP = {path: name for name, paths in SHARED_PROGRAMS.items() for path in paths}
+# ... and long tests that do: both begin with the one-device RL run of tests/rl_settings.py (`one_device_rows`).
+# Started together on the two workers (as after the two ISA legs of an AVX-512 host) they compiled its programs twice.
+SHARED_LONG = {
+    "one-device RL run": ("tests/test_meshes.py::test_multidevice_suite_on_eight_fake_devices",
+                          "tests/test_multiprocess.py::test_two_processes_train_checkpoint_and_resume_like_one_device"),
+}
+_LONG_GROUP = {nodeid: name for name, nodeids in SHARED_LONG.items() for nodeid in nodeids}
+if not set(_LONG_GROUP) <= set(LONGEST_FIRST):
+    raise ValueError(f"SHARED_LONG names tests LONGEST_FIRST does not: {sorted(set(_LONG_GROUP) - set(LONGEST_FIRST))}")
 
 
 def pytest_unconfigure(config):
@@ -91,8 +100,8 @@ def pytest_unconfigure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Group the tests for pytest-xdist (LONGEST_FIRST: one unit each, first; the rest by file, SHARED_PROGRAMS'
-    files together) and order them. Both are keyed by node ids relative to the project root; ids relative to
+    """Group the tests for pytest-xdist (LONGEST_FIRST: one unit each, SHARED_LONG's together, first; the rest by
+    file, SHARED_PROGRAMS' files together) and order them. Both are keyed by node ids relative to the project root; ids relative to
     another directory would leave every test unscheduled by them, silently, so that is refused."""
     stray = [item.nodeid for item in items if not item.nodeid.startswith("tests/")]
     if stray:
@@ -106,7 +115,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         long = rank(item) < len(LONGEST_FIRST)
         path = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(item.nodeid if long else _FILE_GROUP.get(path, path)))
+        group = _LONG_GROUP.get(item.nodeid, item.nodeid) if long else _FILE_GROUP.get(path, path)
+        item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=rank)  # stable: files keep their order
     if os.environ.get("JAXALIGN_ISA_LEG"):
         _leave_out_leg_repeats(config, items)
