@@ -18,8 +18,9 @@ NOTEBOOKS = {
     "01_where_mismatch_arises.ipynb": [
         ("md", "# Where does the trainer-engine mismatch arise?\n\n"
                "The engine generates tokens under its policy; the trainer scores the same tokens under its own. "
-               "`localize` switches one policy field at a time, joins the model's parts to the trainer's policy "
-               "one by one, and swaps whole module kinds (the seed's method), and ranks what carries the gap."),
+               "`localize` switches one policy field at a time and swaps whole module kinds (the seed's method), "
+               "and ranks what carries the gap; `jaxalign localize` also joins the model's parts to the "
+               "trainer's policy one by one."),
         ("code", "%matplotlib inline\nimport matplotlib.pyplot as plt\n"
                  "from flax import nnx\nimport jaxalign as ja\nfrom jaxalign import report\n"
                  "from jaxalign.align.localize import localize\n"
@@ -30,8 +31,11 @@ NOTEBOOKS = {
                  "PAIRS = [pair for pair in WANTED if all(runs_on(ja.NumericPolicy.preset(name)) for name in pair)]\n"
                  "if PAIRS != WANTED:\n"
                  "    print('left out, this host cannot run them:', [pair for pair in WANTED if pair not in PAIRS])\n"
+                 "# the fields and the module swap (the parts, layer by layer, are `jaxalign localize`'s too: n_layers + 2\n"
+                 "# more programs to compile per pair)\n"
                  "results = {pair: localize(model, ja.NumericPolicy.preset(pair[0]), ja.NumericPolicy.preset(pair[1]),\n"
-                 "                          n_prompts=8, max_new_tokens=16, seed=0, replay='r3') for pair in PAIRS}"),
+                 "                          n_prompts=8, max_new_tokens=16, seed=0, replay='r3',\n"
+                 "                          attribute=('fields', 'modules')) for pair in PAIRS}"),
         ("md", "## Ranked fields per policy pair (trainer vs engine, R3 replay so routing flips do not blur "
                "the arithmetic)"),
         ("code", "for (a, b), res in results.items():\n"

@@ -80,13 +80,21 @@ def test_localize_refuses_an_unknown_attribution_before_it_generates():
 
 
 def test_localize_ranks_the_combine_path_first_for_hf_paths():
-    """Notebook 01's hf pair, with its settings (one set of programs for the run)."""
+    """Notebook 01's hf pair, with its settings (its field and module programs are the notebook's), and the parts
+    the notebook leaves out: joined to the trainer's policy one by one, in model order, they close the gap exactly,
+    and only the MoE layers (where the combine paths differ) carry any of it."""
     model = build_model("tiny")
     result = localize(model, NumericPolicy.preset("hf-grouped-bf16"), NumericPolicy.preset("hf-eager-bf16"),
                       n_prompts=8, max_new_tokens=16, seed=0, replay="r3")
     assert result["culprit"] in ("combine_acc_dtype", "combine_order")
     mlp = [m for m in result["modules"] if m["module"] == "mlp"][0]
     assert mlp["k3_with_module_from_trainer"] == 0.0  # swapping the MoE blocks closes it (the seed's method)
+    parts = {p["part"]: p for p in result["parts"]}
+    assert set(parts) == {"embed", "layer0", "layer1", "head"} and result["baseline"]["k3_kl"] > 0
+    assert parts["head"]["k3_after_joining_trainer"] == 0.0  # every part under the trainer's policy: no gap
+    assert parts["embed"]["contribution"] == 0.0 and parts["head"]["contribution"] == 0.0
+    assert parts["layer1"]["k3_after_joining_trainer"] == 0.0
+    assert sum(p["contribution"] for p in result["parts"]) == pytest.approx(result["baseline"]["k3_kl"], rel=1e-12)
 
 
 _FUSION_PROBE = """
