@@ -101,8 +101,9 @@ def pytest_unconfigure(config):
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Group the tests for pytest-xdist (LONGEST_FIRST: one unit each, SHARED_LONG's together, first; the rest by
-    file, SHARED_PROGRAMS' files together) and order them. Both are keyed by node ids relative to the project root; ids relative to
-    another directory would leave every test unscheduled by them, silently, so that is refused."""
+    file, SHARED_PROGRAMS' files together) and order them. Both are keyed by node ids relative to the project
+    root; ids relative to another directory would leave every test unscheduled by them, silently, so that is
+    refused."""
     stray = [item.nodeid for item in items if not item.nodeid.startswith("tests/")]
     if stray:
         raise pytest.UsageError(

@@ -11,7 +11,7 @@ import pytest
 from jaxalign.model.sharding import make_mesh, parse_mesh_spec, spec_for
 
 from isa import child_env  # tests/isa.py
-from rl_settings import RL_REFERENCE_ENV, one_device_rows  # tests/rl_settings.py
+from rl_settings import save_one_device_reference  # tests/rl_settings.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,12 +26,8 @@ def _env(*xla_flags, **extra):
 @pytest.mark.bitwise
 def test_multidevice_suite_on_eight_fake_devices(tmp_path):
     leg = ["-m", "bitwise"] if os.environ.get("JAXALIGN_ISA_LEG") else []  # tests/test_isa_matrix.py
-    reference = {}
-    if not leg:  # a leg leaves the RL run out (tests/isa.py LEG_REPEATS)
-        # its one-device run, here on this process's one device, and the warm start both runs begin from
-        with open(tmp_path / "rows.json", "w") as f:
-            json.dump(one_device_rows(str(tmp_path)), f)
-        reference = {RL_REFERENCE_ENV: str(tmp_path)}
+    # the RL run's one-device side, on this process's one device (a leg leaves the run out: tests/isa.py)
+    reference = {} if leg else save_one_device_reference(str(tmp_path))
     env = _env("--xla_force_host_platform_device_count=8", JAXALIGN_MULTIDEVICE="1", **reference)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *leg,
                            os.path.join(ROOT, "tests", "multidevice")], cwd=ROOT, env=env, capture_output=True,

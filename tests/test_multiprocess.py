@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from isa import child_env
-from rl_settings import one_device_rows, strip_timing
+from rl_settings import one_device_rows, sft_cache, strip_timing
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -26,7 +26,7 @@ def _free_port() -> int:
 def test_two_processes_train_checkpoint_and_resume_like_one_device(tmp_path):
     # two steps (tests/multidevice/rl_worker.py runs them too): the first stops, checkpoints and is resumed from
     reference = one_device_rows(str(tmp_path), steps=2)
-    cache = str(tmp_path / "sft")  # the warm start the reference made, which the workers load
+    cache = sft_cache(str(tmp_path))  # the warm start the reference made, which the workers load
     port = _free_port()
     procs, outs = [], []
     for pid in range(2):

@@ -6,7 +6,6 @@ fp32: sharded forward, backward and generate agree with one device within float3
 """
 
 import functools
-import json
 import os
 
 import jax
@@ -26,7 +25,7 @@ from jaxalign.rl.sft import warm_start
 from jaxalign.rl.trainer import Trainer
 
 from conftest import build_model, random_tokens  # tests/conftest.py
-from rl_settings import RL_REFERENCE_ENV, SFT, one_device_rows, rl_config, strip_timing  # tests/rl_settings.py
+from rl_settings import SFT, comparable_rows, one_device_reference, rl_config  # tests/rl_settings.py
 
 TP = ["tensor=2", "tensor=4", "tensor=8"]
 EP = ["expert=2", "expert=4", "expert=8"]
@@ -253,18 +252,12 @@ def test_rl_run_on_a_trainer_mesh_matches_one_device_bitwise(tmp_path):
     the same run on one device. That run is the one-device process's that started this suite
     (tests/test_meshes.py: its programs are the trainer tests', where this process would compile them for 8
     devices again), from the warm start both load; run on its own, this suite makes both here."""
-    work = os.environ.get(RL_REFERENCE_ENV)
-    if work:
-        with open(os.path.join(work, "rows.json")) as f:
-            one = json.load(f)
-    else:
-        work = str(tmp_path)
-        one = one_device_rows(work)
-    meshed = Trainer(warm_start(ModelConfig.preset("countdown"), SFT, os.path.join(work, "sft"), progress=False),
+    one, sft = one_device_reference(str(tmp_path))
+    meshed = Trainer(warm_start(ModelConfig.preset("countdown"), SFT, sft, progress=False),
                      rl_config(trainer_mesh="data=2,expert=2,tensor=2", engine_mesh="tensor=2"),
                      str(tmp_path / "mesh"))
     rows = meshed.run(progress=False)
-    assert json.loads(json.dumps(strip_timing(rows))) == one
+    assert comparable_rows(rows) == one
     assert any(r.get("grad_norm", 0) > 0 for r in rows)  # the weights did move
     # parameters and Adam moments stayed split by the rules through the updates
     q = meshed.params["blocks"][0]["attn"]["q_proj"]["w"][...]
