@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jaxalign as ja  # noqa: E402
 from common import write_json  # noqa: E402
 from jaxalign.align.compare import engine_replay, random_prompts  # noqa: E402
-from jaxalign.align.index_metrics import index_flip_metrics  # noqa: E402
-from jaxalign.align.metrics import mismatch_metrics  # noqa: E402
+from jaxalign.metrics.index import index_flip_metrics  # noqa: E402
+from jaxalign.metrics.mismatch import mismatch_metrics  # noqa: E402
 from jaxalign.engine import kernels  # noqa: E402
 from jaxalign.numerics import dtype  # noqa: E402
 

@@ -27,7 +27,7 @@ import transformers  # noqa: E402
 import jaxalign as ja  # noqa: E402
 import test_hf_interop as cases  # noqa: E402  (the test's models and helpers)
 from common import write_json  # noqa: E402
-from jaxalign.align.metrics import mismatch_metrics  # noqa: E402
+from jaxalign.metrics.mismatch import mismatch_metrics  # noqa: E402
 from jaxalign.interop import hf  # noqa: E402
 
 PATHS = ("eager", "grouped_mm")

@@ -41,8 +41,8 @@ def parallelism_alone(model, n_seqs: int, length: int) -> list[dict]:
     """Teacher-forced logprobs and routes of random sequences on each mesh vs one device."""
     import numpy as np
 
-    from jaxalign.align.metrics import mismatch_metrics
-    from jaxalign.align.routing import routing_metrics
+    from jaxalign.metrics.mismatch import mismatch_metrics
+    from jaxalign.metrics.routing import routing_metrics
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (n_seqs, length)).astype(np.int32)
     mask = np.ones((n_seqs, length - 1), bool)
     rows = []

@@ -16,9 +16,9 @@ from jaxalign.runtime import EXACT_ELEMENTWISE, EXACT_LOW_PRECISION  # noqa: F40
 from jaxalign import interop  # noqa: E402  (so `jaxalign.interop.hf` works after `import jaxalign`)
 from jaxalign.align.compare import compare  # noqa: E402
 from jaxalign.align.localize import localize  # noqa: E402
-from jaxalign.align.metrics import mismatch_metrics  # noqa: E402
+from jaxalign.metrics.mismatch import mismatch_metrics  # noqa: E402
 from jaxalign.model.routing import RoutingRecord  # noqa: E402
-from jaxalign.align.routing import routing_metrics  # noqa: E402
+from jaxalign.metrics.routing import routing_metrics  # noqa: E402
 from jaxalign.engine import Engine, Rollout, generate  # noqa: E402
 from jaxalign.model import ModelConfig, Transformer, sequence_logprobs, token_logprobs  # noqa: E402
 from jaxalign.model.sharding import make_mesh  # noqa: E402

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxalign.align.metrics import mismatch_metrics
-from jaxalign.align.routing import routing_metrics
+from jaxalign.metrics.mismatch import mismatch_metrics
+from jaxalign.metrics.routing import routing_metrics
 
 
 def test_mismatch_metrics_match_definitions():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import verl_reference as verl
 
-from jaxalign.align.metrics import verl_offpolicy_metrics
+from jaxalign.metrics.mismatch import verl_offpolicy_metrics
 from jaxalign.rl.correction import CorrectionConfig, correct
 from jaxalign.rl.grpo import GRPOConfig, group_advantages, policy_loss
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import jaxalign as ja
-from jaxalign.align.index_metrics import index_flip_metrics
+from jaxalign.metrics.index import index_flip_metrics
 
 from conftest import build_model
 

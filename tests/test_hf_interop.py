@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxalign as ja  # noqa: E402
-from jaxalign.align.metrics import mismatch_metrics  # noqa: E402
+from jaxalign.metrics.mismatch import mismatch_metrics  # noqa: E402
 from jaxalign.interop import hf  # noqa: E402
 
 from conftest import build_model, forward_logits  # noqa: E402

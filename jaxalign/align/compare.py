@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxalign.align.index_metrics import index_flip_metrics
-from jaxalign.align.metrics import mismatch_metrics
-from jaxalign.align.routing import routing_metrics
+from jaxalign.metrics.index import index_flip_metrics
+from jaxalign.metrics.mismatch import mismatch_metrics
+from jaxalign.metrics.routing import routing_metrics
 from jaxalign.engine import Engine, Rollout
 from jaxalign.model.scoring import token_logprobs
 from jaxalign.model.sharding import mesh_description

@@ -17,8 +17,8 @@ alone on a large model does not compile the other n_layers + 4.
 from __future__ import annotations
 
 from jaxalign.align.compare import random_prompts
-from jaxalign.align.metrics import mismatch_metrics
-from jaxalign.align.routing import routing_metrics
+from jaxalign.metrics.mismatch import mismatch_metrics
+from jaxalign.metrics.routing import routing_metrics
 from jaxalign.engine import Engine
 from jaxalign.model.scoring import token_logprobs
 from jaxalign.model.sharding import mesh_description

@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 
-from jaxalign.align.metrics import mismatch_metrics
-from jaxalign.align.routing import routing_metrics
+from jaxalign.metrics.mismatch import mismatch_metrics
+from jaxalign.metrics.routing import routing_metrics
 from jaxalign.model.scoring import forward
 from jaxalign.model.transformer import Transformer, check_tokens
 from jaxalign.numerics import NumericPolicy

@@ -17,7 +17,7 @@ re-implementation of its helper in tests/test_correction_parity.py:
   weights): token_k1 and seq_sum_k1 / seq_mean_k1 bound k1 = -log ratio = log(pi_rollout / pi_old) to the ratio
   band "lo_hi" (a single u meaning [1/u, u]); token_k2|k3, seq_sum_k2|k3, seq_mean_k2|k3 and seq_max_k2|k3 take
   an upper bound. "Geometric" RS is seq_mean_k1 with 0.999_1.001.
-- Metrics (prefix `rollout_corr/`): verl's off-policy metrics (`align.metrics.verl_offpolicy_metrics`); its IS
+- Metrics (prefix `rollout_corr/`): verl's off-policy metrics (`metrics.mismatch.verl_offpolicy_metrics`); its IS
   metrics, computed on the weights before truncation (`rollout_is_mean/min/max`, the fractions beyond the
   thresholds, per-sequence statistics), with `rollout_is_std` and `rollout_is_eff_sample_size` on the weights
   clamped into [1/C, C] (at sequence level verl clamps rollout_is_max's exponent to 20 but not rollout_is_min's, so
@@ -38,7 +38,7 @@ import math
 
 import numpy as np
 
-from jaxalign.align.metrics import LOG_RATIO_CLAMP, mismatch_metrics, paired_logprobs, verl_offpolicy_metrics
+from jaxalign.metrics.mismatch import LOG_RATIO_CLAMP, mismatch_metrics, paired_logprobs, verl_offpolicy_metrics
 
 # What the PPO ratio is taken against: decoupled = the trainer's recomputed old-policy logprobs (IS weights and
 # rejection correct for the engine's); bypass = the engine's logprobs themselves (pi_old := pi_rollout)

@@ -31,7 +31,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxalign.align.routing import routing_metrics
+from jaxalign.metrics.routing import routing_metrics
 from jaxalign.engine import Engine
 from jaxalign.model.scoring import sequence_logprobs, token_logprobs
 from jaxalign.model.sharding import (make_mesh, mesh_context, on_first_device, parse_mesh_spec, put_batch, put_global,
