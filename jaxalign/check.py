@@ -314,7 +314,7 @@ def _batches_arg(text: str) -> tuple[int, ...]:
 
 def add_parser(sub) -> None:
     """Add the `check` subcommand to the `jaxalign` command's subparsers."""
-    from jaxalign.cli_args import (add_generation_args, add_json_arg, add_model_args, add_policy_args,
+    from jaxalign.cli.args import (add_generation_args, add_json_arg, add_model_args, add_policy_args,
                                    add_replay_arg)
     p = sub.add_parser("check", help="validate a model and a trainer/engine policy pair on this backend: precision "
                                      "audit, batch-invariance probes, trainer-engine gaps (exit 1 on a failure)")

@@ -9,7 +9,7 @@ from jaxalign import cli
 from jaxalign.align.compare import compare, score_rollout
 from jaxalign.align.localize import localize
 from jaxalign.check import run_check
-from jaxalign.cli_args import field_default, param_default
+from jaxalign.cli.args import field_default, param_default
 from jaxalign.model.config import ModelConfig
 from jaxalign.numerics import PRESETS, NumericPolicy
 from jaxalign.replay_modes import ENGINE_REPLAY_MODES, REPLAY_MODES, check_replay

@@ -10,7 +10,7 @@ import traceback
 from flax import nnx
 
 from jaxalign import report, runtime
-from jaxalign.cli_args import (add_generation_args, checked_text, add_json_arg, add_mesh_args, add_model_args, add_policy_args,
+from jaxalign.cli.args import (add_generation_args, checked_text, add_json_arg, add_mesh_args, add_model_args, add_policy_args,
                                add_replay_arg, field_default, meshes, param_default, policy_arg)
 from jaxalign.model.config import ModelConfig, preset_names
 from jaxalign.model.transformer import Transformer
@@ -372,7 +372,7 @@ def _raised_by_jaxalign(err: BaseException) -> bool:
     return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR)
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the jaxalign package
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,6 +394,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxalign {args.command}: error: {err}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
