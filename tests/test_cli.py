@@ -76,6 +76,7 @@ def test_usage_errors_exit_2_but_a_library_bug_keeps_its_traceback(monkeypatch, 
     import numpy as np
 
     from jaxalign import cli
+    from jaxalign.cli import policies
 
     assert cli.main(["golden", "export", "--prompts", "p.jsonl", "--out", "o.json"]) == 2
     assert "exactly one of --model PRESET or --hf DIR" in capsys.readouterr().err
@@ -83,6 +84,6 @@ def test_usage_errors_exit_2_but_a_library_bug_keeps_its_traceback(monkeypatch, 
     def library_bug(args):
         return np.zeros(2).reshape(3)
 
-    monkeypatch.setattr(cli, "cmd_policies", library_bug)
+    monkeypatch.setattr(policies, "run", library_bug)
     with pytest.raises(ValueError, match="reshape"):
         cli.main(["policies"])

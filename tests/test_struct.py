@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from jaxalign import cli
+from jaxalign.cli import experiment as cli_experiment
 from jaxalign.align.compare import compare, score_rollout
 from jaxalign.align.localize import localize
 from jaxalign.check import run_check
@@ -98,4 +99,4 @@ def test_cli_defaults_come_from_the_definitions():
         assert getattr(args, name) == field_default(ExperimentConfig, name), name
     assert (args.sft_steps, args.sft_problems) == (field_default(SFTConfig, "steps"),
                                                    field_default(SFTConfig, "problems"))
-    assert cli._arms(args) == ExperimentConfig().arms
+    assert cli_experiment._arms(args) == ExperimentConfig().arms

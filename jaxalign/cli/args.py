@@ -1,5 +1,5 @@
-"""The argument groups the `jaxalign` subcommands share (model, trainer/engine policy, replay, generation,
-meshes, --json), built once. Defaults come from where the behaviour is defined -- the signature of the function
+"""The argument groups and argument types the `jaxalign` subcommands share (model, trainer/engine policy, replay,
+generation, meshes, --json), built once, and the `UsageError` every subcommand reports with exit code 2. Defaults come from where the behaviour is defined -- the signature of the function
 a command calls (`compare`, `localize`, `run_check`) or a config dataclass's field -- never from a repeated
 literal here."""
 
@@ -10,8 +10,56 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
+from flax import nnx
+
+from jaxalign.model.config import ModelConfig, preset_names
+from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.replay_modes import REPLAY_MODES
+
+# the pair compare and localize study by default: a typical trainer and a fast serving engine
+GAP_PAIR = {"trainer": "train-bf16", "engine": "serve-bf16"}
+COMMAND_MODEL = "small"  # the model preset compare and localize build by default
+
+
+class UsageError(Exception):
+    """A command used wrongly (an option combination, a file that is not what the command needs): reported as
+    `jaxalign CMD: error: ...` with exit code 2, without a traceback."""
+
+
+def ints(minimum: int, example: str):
+    """An argparse type: a comma-separated list of ints, each >= minimum."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
+        if not values or min(values) < minimum:
+            kind = "positive" if minimum == 1 else "non-negative"
+            raise argparse.ArgumentTypeError(f"{text!r}: allowed: {kind} ints, e.g. {example}")
+        return values
+    return parse
+
+
+int_list = ints(1, "1,8,32")
+int_list_nonneg = ints(0, "0,1,2")
+
+
+def model_preset(name: str) -> str:
+    """An argparse type: a model preset name."""
+    if name not in preset_names():
+        raise argparse.ArgumentTypeError(f"unknown model preset {name!r}; allowed: {', '.join(preset_names())}")
+    return name
+
+
+def build_model(preset: str, seed: int = 0) -> Transformer:
+    """A randomly initialised model of a preset config."""
+    return Transformer(ModelConfig.preset(preset), rngs=nnx.Rngs(seed))
+
+
+def str_list(text: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated strings (empty items dropped)."""
+    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 def param_default(func: Callable, name: str) -> Any:

@@ -1,0 +1,51 @@
+"""`jaxalign compare`: generate with the engine policy, score with the trainer policy, report the gap per engine
+batch size."""
+
+from __future__ import annotations
+
+from jaxalign import report
+from jaxalign.cli.args import (COMMAND_MODEL, GAP_PAIR, add_generation_args, add_json_arg, add_mesh_args,
+                               add_model_args, add_policy_args, add_replay_arg, build_model, int_list, meshes,
+                               model_preset, param_default)
+
+COMPARE_COLUMNS = ["engine_batch", "kl", "k3_kl", "chi2_token", "max_abs_logp_diff", "bitwise_equal_fraction",
+                   "route_flip_rate", "route_token_any_flip", "n_tokens"]
+
+
+def run(args) -> int:
+    """Run `jaxalign.align.compare.compare` and print its runs."""
+    from jaxalign.align.compare import compare
+    trainer_mesh, engine_mesh = meshes(args)
+    result = compare(build_model(args.model, args.model_seed), args.trainer, args.engine, replay=args.replay,
+                     n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, engine_batches=args.engine_batch,
+                     schedule=args.schedule, prefill_chunk=args.prefill_chunk, seed=args.seed,
+                     trainer_mesh=trainer_mesh, engine_mesh=engine_mesh)
+    if args.json:
+        print(report.to_json(result))
+        return 0
+    print(f"model {args.model} ({result['config_fingerprint']}), replay {args.replay}, schedule {args.schedule}, "
+          f"trainer mesh {result['trainer_mesh']}, engine mesh {result['engine_mesh']}")
+    print(f"trainer: {result['trainer']}\nengine:  {result['engine']}")
+    print("differs in: " + (", ".join(f"{f} ({a} vs {b})" for f, a, b in result["policy_diff"]) or "nothing"))
+    print(report.table(result["runs"], COMPARE_COLUMNS))
+    return 0
+
+
+def add_parser(sub) -> None:
+    """Add the `compare` subcommand."""
+    from jaxalign.align.compare import compare
+    from jaxalign.engine.engine import SCHEDULES
+    p = sub.add_parser("compare", help="generate with the engine policy, score with the trainer policy, "
+                                       "report KL / k3 / route flips per engine batch size")
+    add_model_args(p, default=COMMAND_MODEL, model_type=model_preset, help=f"model preset (default {COMMAND_MODEL})")
+    add_policy_args(p, **GAP_PAIR)
+    add_replay_arg(p, func=compare, help="router replay mode (r3w: the engine's experts and combine weights; "
+                                         "+index: the engine's DSA index selections)")
+    add_generation_args(p, func=compare)
+    p.add_argument("--engine-batch", type=int_list, default=list(param_default(compare, "engine_batches")),
+                   help="engine batch sizes, e.g. 1,8,32")
+    p.add_argument("--schedule", choices=SCHEDULES, default=param_default(compare, "schedule"))
+    p.add_argument("--prefill-chunk", type=int, default=param_default(compare, "prefill_chunk"))
+    add_json_arg(p, "one JSON object with all metrics per engine batch size")
+    add_mesh_args(p)
+    p.set_defaults(func=run)

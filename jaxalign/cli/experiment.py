@@ -1,0 +1,123 @@
+"""`jaxalign experiment countdown`: GRPO on Countdown, one arm per numeric set-up (and `--study gap`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxalign import report
+from jaxalign.cli.args import (add_json_arg, add_mesh_args, checked_text, field_default, int_list_nonneg,
+                               model_preset, str_list)
+
+
+def _arms(args):
+    """The experiment's arms from --arm (repeatable) or the older --arms NAME,NAME (built-ins only), parsed
+    (a clear error before anything runs); ExperimentConfig's default arms when neither is given."""
+    from jaxalign.rl.arms import parse_arms
+    from jaxalign.rl.experiment import ExperimentConfig
+    if args.arm and args.arms:
+        raise ValueError("give arms with --arm (repeatable) or --arms NAME,NAME, not both")
+    arms = tuple(args.arm) if args.arm else (tuple(args.arms) if args.arms else field_default(ExperimentConfig, "arms"))
+    return parse_arms(arms)
+
+
+def _count_range(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition("-")
+        rng = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed N or MIN-MAX, e.g. 3 or 2-3") from None
+    if not 2 <= rng[0] <= rng[1] <= 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: counts must lie within 2..4 with MIN <= MAX")
+    return rng
+
+
+def run(args) -> int:
+    """Run the experiment (or the study) into --out and print its summary."""
+    from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
+    from jaxalign.rl.sft import SFTConfig
+    from jaxalign.rl.study import STUDY_SEEDS, STUDY_STEPS
+    study = args.study is not None
+    steps = args.steps if args.steps is not None else (STUDY_STEPS if study else field_default(ExperimentConfig,
+                                                                                                "steps"))
+    seeds = tuple(args.seeds) if args.seeds is not None else (STUDY_SEEDS if study else field_default(
+        ExperimentConfig, "seeds"))
+    exp = ExperimentConfig(arms=_arms(args), seeds=seeds, steps=steps, model=args.model,
+                           prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                           max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
+                           ppo_epochs=args.ppo_epochs, is_threshold=args.is_threshold, rs=args.rs,
+                           eval_every=args.eval_every,
+                           eval_problems=args.eval_problems, problem_count=tuple(args.problem_count),
+                           max_target=args.max_target,
+                           sft=SFTConfig(steps=args.sft_steps, problems=args.sft_problems,
+                                         problem_count=tuple(args.problem_count),
+                                         max_new_tokens=args.max_new_tokens, answers=args.sft_answers),
+                           trainer_mesh=args.trainer_mesh or "", engine_mesh=args.engine_mesh or "")
+    if args.study:
+        from jaxalign.rl.study import run_study, study_markdown
+        result = run_study(exp, args.out, progress=not args.json,
+                           arms=exp.arms if (args.arm or args.arms) else None)
+        print(report.to_json(result) if args.json else study_markdown(result))
+        return 0
+    summary = run_experiment(exp, args.out, progress=not args.json)
+    if args.json:
+        print(report.to_json(summary))
+        return 0
+    print(report.table([{"arm": a, **v} for a, v in summary["arms"].items()], SUMMARY_COLUMNS))
+    print(f"\nwrote {args.out}/summary.md, summary.json and plots: {', '.join(summary['plots'])}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    """`jaxalign experiment countdown`: every default is ExperimentConfig's (or SFTConfig's) field default."""
+    from jaxalign.rl.arms import BUILTIN, GRAMMAR
+    from jaxalign.rl.experiment import ExperimentConfig
+    from jaxalign.rl.sft import ANSWERS as SFT_ANSWERS, SFTConfig, parse_answers as parse_sft_answers
+    from jaxalign.rl.study import STUDY_SEEDS, STUDY_STEPS
+    exp = lambda name: field_default(ExperimentConfig, name)  # noqa: E731
+    p = sub.add_parser("experiment", help="RL experiments")
+    esub = p.add_subparsers(dest="experiment", required=True)
+    e = esub.add_parser("countdown", help="GRPO on Countdown, one arm per numeric set-up, same warm start, "
+                                          "problems and seeds")
+    e.add_argument("--arm", action="append", default=[], metavar="SPEC",
+                   help=f"an arm, repeatable: {GRAMMAR} (policies may contain commas; see jaxalign.rl.arms); "
+                        f"default: {' and '.join(exp('arms'))}")
+    e.add_argument("--arms", type=str_list, default=None,
+                   help=f"built-in arm names ({', '.join(BUILTIN)}), comma-separated (older form)")
+    e.add_argument("--study", choices=("gap",), default=None,
+                   help="gap: the dose-response study over a ladder of engine policies, with and without "
+                        "correction (--arm then replaces the ladder)")
+    e.add_argument("--model", type=model_preset, default=exp("model"),
+                   help=f"model preset (default {exp('model')}); its vocabulary must hold the Countdown "
+                        f"tokenizer's, e.g. tiny-glm5, tiny-deepseek-v3")
+    e.add_argument("--steps", type=int, default=None, help=f"default {exp('steps')} (the study: {STUDY_STEPS})")
+    e.add_argument("--seeds", type=int_list_nonneg, default=None,
+                   help=f"e.g. 0,1,2 (default {_ints_text(exp('seeds'))}; the study: {_ints_text(STUDY_SEEDS)})")
+    for name in ("prompts_per_step", "group_size", "max_new_tokens", "eval_every", "eval_problems", "max_target"):
+        e.add_argument("--" + name.replace("_", "-"), type=int, default=exp(name))
+    e.add_argument("--learning-rate", type=float, default=exp("learning_rate"))
+    e.add_argument("--ppo-epochs", type=int, default=exp("ppo_epochs"), help="optimizer steps on each collected batch")
+    e.add_argument("--is-threshold", default=exp("is_threshold"),
+                   help="default correction: TIS cap C, or lo_hi for IcePop")
+    e.add_argument("--rs", type=str_list, default=exp("rs"),
+                   help="default correction: rejection rules MODE:THRESHOLD, comma-separated (empty string: none)")
+    e.add_argument("--problem-count", type=_count_range, default=exp("problem_count"),
+                   help="how many numbers a problem has: N or MIN-MAX within 2..4 (default "
+                        f"{_count_text(exp('problem_count'))})")
+    e.add_argument("--sft-steps", type=int, default=field_default(SFTConfig, "steps"))
+    e.add_argument("--sft-problems", type=int, default=field_default(SFTConfig, "problems"))
+    e.add_argument("--sft-answers", type=checked_text(parse_sft_answers), default=field_default(SFTConfig, "answers"),
+                   help=f"warm-start answers, one of {', '.join(SFT_ANSWERS)}: brute-force solutions; random "
+                        "well-formed expressions (RL must then learn correctness); or the solution with "
+                        "probability P, else the habit a+b+... (greedy answers the habit, samples hold solutions)")
+    e.add_argument("--out", required=True, help="output directory (resumes runs found there)")
+    add_json_arg(e)
+    add_mesh_args(e)
+    e.set_defaults(func=run)
+
+
+def _ints_text(values) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def _count_text(count: tuple[int, int]) -> str:
+    return str(count[0]) if count[0] == count[1] else f"{count[0]}-{count[1]}"
