@@ -26,7 +26,7 @@ from jaxalign.numerics import PRESETS, NumericPolicy  # noqa: E402
 from jaxalign.numerics.sampling import SamplingParams  # noqa: E402
 from jaxalign.numerics.schedule import PolicySchedule  # noqa: E402
 
-__version__ = "0.1.0"
+from jaxalign.version import __version__  # noqa: E402
 
 __all__ = ["EXACT_ELEMENTWISE", "EXACT_LOW_PRECISION", "Engine", "ModelConfig", "NumericPolicy", "PRESETS", "PolicySchedule", "Rollout",
            "RoutingRecord", "SamplingParams", "Transformer", "compare", "generate", "localize", "make_mesh", "mismatch_metrics",

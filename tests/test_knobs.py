@@ -99,7 +99,7 @@ def test_layout_knob_changes_the_program_and_restores(field, base_name, value):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxalign.model.scoring import _forward
+    from jaxalign.model.scoring import jitted_forward
 
     model = build_model("tiny")
     tokens = random_tokens(model.config, 4, 32, seed=3)
@@ -107,7 +107,7 @@ def test_layout_knob_changes_the_program_and_restores(field, base_name, value):
     flipped = base.replace(**{field: value})
     assert base.diff(flipped) == [(field, getattr(base, field), value)]
     graphdef, state = nnx.split(model)
-    program = lambda p: _forward.lower(graphdef, state, jnp.asarray(tokens), None, None,  # noqa: E731
+    program = lambda p: jitted_forward.lower(graphdef, state, jnp.asarray(tokens), None, None,  # noqa: E731
                                        policy=p).as_text()
     assert program(base) != program(flipped), f"{field}: {getattr(base, field)} -> {value} compiled the same program"
     before = np.asarray(forward_logits(model, tokens, base)[0])

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jaxalign.align.audit import PROGRAMS, audit, lower_programs, lower_rl_update, products
+from jaxalign.align.audit import PROGRAMS, audit, lower_programs, products
+from jaxalign.rl.lowering import lower_update
 from jaxalign.numerics import PRESETS, NumericPolicy
 from jaxalign.numerics.platforms import float16_error
 from jaxalign.numerics.precision import check_backend, float16_fields, runs_on
@@ -59,7 +60,7 @@ def test_every_program_states_its_precision(name):
     model = build_model("tiny")
     if name in RUNNABLE:
         texts = lower_programs(model, policy, PROGRAMS)
-        texts["rl-update"] = lower_rl_update(model, policy)
+        texts["rl-update"] = lower_update(model, policy)
     else:
         texts = lower_programs(model, policy, ("forward", "gradient", "engine"))
     found = audit(texts)

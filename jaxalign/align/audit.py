@@ -17,6 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxalign.engine.engine import cast_state
+from jaxalign.engine.kernels import run_continuous, run_static
+from jaxalign.model.scoring import jitted_forward, sequence_logprobs
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.sampling import SamplingParams
 
@@ -105,10 +108,6 @@ def lower_programs(model, policy: NumericPolicy, programs=PROGRAMS, *, batch: in
     """StableHLO text of the programs a model runs under `policy` (a subset of `PROGRAMS`): the trainer's forward
     (scoring) and gradient, and the engine's static batch (prefill + decode loop), its chunked prefill and its
     continuous batching. Abstract inputs; lowered, not compiled."""
-    from jaxalign.engine.engine import _cast_state
-    from jaxalign.engine.kernels import run_continuous, run_static
-    from jaxalign.model.scoring import _forward, sequence_logprobs
-
     unknown = set(programs) - set(PROGRAMS)
     if unknown:
         raise ValueError(f"unknown programs {sorted(unknown)}; allowed: {', '.join(PROGRAMS)}")
@@ -119,37 +118,17 @@ def lower_programs(model, policy: NumericPolicy, programs=PROGRAMS, *, batch: in
     def loss(s, t):
         return jnp.sum(sequence_logprobs(nnx.merge(graphdef, s), t, policy)[0])
 
-    engine_state = jax.eval_shape(functools.partial(_cast_state, policy=policy), state)
+    engine_state = jax.eval_shape(functools.partial(cast_state, policy=policy), state)
     ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     sampling = dict(policy=policy, cache_len=seq + max_new, sampling=SamplingParams(temperature=1.0))
     seed, max_new_tokens, eos_id = scalar, scalar, scalar
     engine_args = (graphdef, engine_state, tokens, ints, ints, seed, max_new_tokens, eos_id)
     lower = {
-        "forward": lambda: _forward.lower(graphdef, state, tokens, None, None, policy=policy),
+        "forward": lambda: jitted_forward.lower(graphdef, state, tokens, None, None, policy=policy),
         "gradient": lambda: jax.jit(jax.grad(loss)).lower(state, tokens),
         "engine": lambda: run_static.lower(*engine_args, prefill_chunk=None, **sampling),
         "engine-chunked-prefill": lambda: run_static.lower(*engine_args, prefill_chunk=prefill_chunk, **sampling),
         "engine-continuous": lambda: run_continuous.lower(*engine_args, slots=batch, **sampling),
     }
     return {name: lower[name]().as_text() for name in programs}
-
-
-def lower_rl_update(model, policy: NumericPolicy, config=None, *, batch: int = 2) -> str:
-    """StableHLO text of the RL trainer's update step (`rl.trainer.make_update`: loss, gradient, clipping, AdamW)
-    under `policy`, for `model` and an `RLConfig` (default one). No engine, checkpoint or optimizer state is
-    built: the update is lowered on abstract inputs."""
-    from jaxalign.rl.trainer import PROMPT_WIDTH, RLConfig, TrainBatch, make_optimizer, make_update
-
-    config = config or RLConfig()
-    graphdef, state = nnx.split(model)
-    optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip,
-                               lora_only=bool(config.lora_rank), policy=policy)
-    params = _abstract(state)
-    width = PROMPT_WIDTH + config.max_new_tokens
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    train_batch = TrainBatch(tokens=jax.ShapeDtypeStruct((batch, width), jnp.int32), logp_old=f32(batch, width - 1),
-                             advantages=f32(batch), weights=f32(batch, width - 1),
-                             mask=jax.ShapeDtypeStruct((batch, width - 1), jnp.bool_), replay=None, logp_ref=None)
-    update = make_update(graphdef, policy, optimizer, config)
-    return jax.jit(update).lower(params, jax.eval_shape(optimizer.init, params), train_batch).as_text()

@@ -1,7 +1,7 @@
 """The argument groups and argument types the `jaxalign` subcommands share (model, trainer/engine policy, replay,
-generation, meshes, --json), built once, and the `UsageError` every subcommand reports with exit code 2. Defaults come from where the behaviour is defined -- the signature of the function
-a command calls (`compare`, `localize`, `run_check`) or a config dataclass's field -- never from a repeated
-literal here."""
+generation, meshes, --json), built once, and the `UsageError` every subcommand reports with exit code 2. Defaults
+come from where the behaviour is defined -- the signature of the function a command calls (`compare`, `localize`,
+`run_check`) or a config dataclass's field -- never from a repeated literal here."""
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ _BUCKET = 8
 
 
 @functools.partial(jax.jit, static_argnames=("policy",))
-def _cast_state(state, policy):
+def cast_state(state, policy):
+    """The engine's copy of the model state: parameters cast as `policy` stores them for serving."""
     return cast_params(state, policy)
 
 
@@ -68,7 +69,7 @@ class Engine:
             _, state = nnx.split(copy)
         self.graphdef = graphdef
         with mesh_context(self.mesh):
-            self.state = _cast_state(shard_state(state, self.mesh), self.policy)
+            self.state = cast_state(shard_state(state, self.mesh), self.policy)
 
     def _check(self, prompts, max_new_tokens, eos_id, batch_size, schedule,
                prefill_chunk) -> list[np.ndarray]:

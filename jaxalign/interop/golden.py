@@ -49,7 +49,7 @@ def read_prompts(path: str) -> list[list[int]]:
 def export_golden(model: Transformer, sequences: list[list[int]], policy: NumericPolicy, path: str, *,
                   top_n: int = 5) -> dict:
     """Score each sequence teacher-forced under `policy` and write the golden file. Returns its content."""
-    from jaxalign import __version__
+    from jaxalign.version import __version__
     cfg = model.config
     golden = {"format": FORMAT, "jaxalign_version": __version__, "policy": str(policy),
               "config_fingerprint": cfg.fingerprint(), "config": cfg.to_dict(), "top_n": top_n, "sequences": []}

@@ -32,7 +32,9 @@ def sequence_logprobs(model: Transformer, tokens: jax.Array, policy: NumericPoli
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
-def _forward(graphdef, state, tokens, replay, index_replay, *, policy):
+def jitted_forward(graphdef, state, tokens, replay, index_replay, *, policy):
+    """The jitted forward of a split model, (logits, RoutingRecord): the program `forward` runs and the precision
+    audit lowers."""
     return nnx.merge(graphdef, state)(tokens, policy=policy, replay=replay, index_replay=index_replay)
 
 
@@ -56,7 +58,7 @@ def forward(model: Transformer, tokens, policy: NumericPolicy | PolicySchedule, 
     if index_replay is not None:
         index_replay = put_batch(check_index_positions(index_replay, model.config, *arr.shape), mesh)
     with mesh_context(mesh):
-        return _forward(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh),
+        return jitted_forward(graphdef, state, put_batch(np.asarray(arr, np.int32), mesh),
                         None if replay_idx is None else put_batch(replay_idx, mesh), index_replay,
                         policy=policy)
 

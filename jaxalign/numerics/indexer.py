@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxalign.numerics import precision
 from jaxalign.numerics.dtypes import cast
 from jaxalign.numerics.policy import NumericPolicy
+from jaxalign.numerics.select import top_k  # the router's rank-based lax.top_k
 
 
 def _sequential(a: jax.Array, b: jax.Array, axis_a: int, axis_b: int):
@@ -55,7 +56,6 @@ def select_keys(scores: jax.Array, k_pos: jax.Array, top: int) -> tuple[jax.Arra
     Returns (positions [B, S, top] of the selected visible keys, -1 where fewer than `top` are visible;
     allowed [B, S, T] bool, the keys a query attends to; margin [B, S], the score gap between the last selected
     and the best unselected visible key (inf when every visible key is selected))."""
-    from jaxalign.model.moe import top_k  # the router's rank-based lax.top_k
     n_keys = scores.shape[-1]
     requested, top = top, min(top, n_keys)
     b, s, _ = scores.shape

@@ -23,7 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxalign.numerics import platforms
-from jaxalign.numerics.dtypes import cast, dtype
+from jaxalign.numerics.dtypes import dtype
+from jaxalign.numerics.pallas_attention_grad import attention_backward
+from jaxalign.numerics.pallas_chunk import chunk_scores, rounder
 from jaxalign.numerics.pallas_matmul import _precision, _round_up, backend, refuse_mesh
 
 _NEVER = jnp.iinfo(jnp.int32).max  # position of padded keys (seen by no real query) and padded queries
@@ -45,23 +47,6 @@ def check_attention_blocks(bm: int, chunk: int, groups: int, head_dim: int, kern
             raise ValueError(f"{where}: {bad}; allowed on gpu (Triton): powers of two >= 16")
     if platform == "tpu" and (chunk % 128 or rows % 8):
         raise ValueError(f"{where}: allowed on tpu: chunk a multiple of 128 and BM*G a multiple of 8")
-
-
-def rounder(exact_casts: bool):
-    """`rnd(x, name)`: x rounded to the dtype `name` -- in interpret mode by `cast` (a rounding XLA:CPU's fusions
-    keep), compiled by a plain convert."""
-    def rnd(x, name):
-        return cast(x, name) if exact_casts else x.astype(dtype(name))
-    return rnd
-
-
-def chunk_scores(q, k_chunk, q_pos, k_pos_chunk, *, scale, scores_dt, softmax_dt, rnd):
-    """Scores of a query block against one key chunk as the lax chunked path rounds them: q.k (float32
-    accumulation) rounded to `scores_dt`, times the scale, rounded again, in `softmax_dt`; -inf where the key's
-    position is past the query's."""
-    s = jnp.dot(q, k_chunk.astype(q.dtype), preferred_element_type=jnp.float32, precision=_precision(q.dtype))
-    s = rnd(rnd(rnd(s, scores_dt).astype(jnp.float32) * scale, scores_dt), softmax_dt)
-    return jnp.where(k_pos_chunk <= q_pos, s, jnp.asarray(-jnp.inf, s.dtype))
 
 
 def _kernel(qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, chunk, n_chunks, scale, scores_dt,
@@ -148,8 +133,6 @@ def pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy, bm: int, platform: 
     v [B, KVH, K, D], q_pos [B, Q], k_pos [B, K] -> float32 [B, Q, KVH, G, D], queries in blocks of `bm`, lowered
     for `platform` (`numerics.kernels.select_attention` chooses both). Its gradient is the Pallas backward of
     `numerics.pallas_attention_grad`, over the same fixed key chunks."""
-    from jaxalign.numerics.pallas_attention_grad import attention_backward
-
     b, nq, kvh, g, d = qg.shape
     check_attention_blocks(bm, policy.attention_chunk, g, d, policy.matmul_kernel, platform)
     cfg = _settings(policy, d, bm, g, platform)

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 
 from jaxalign.numerics import platforms
 from jaxalign.numerics.dtypes import dtype
-from jaxalign.numerics.pallas_attention import chunk_scores, rounder
+from jaxalign.numerics.pallas_chunk import chunk_scores, rounder
 from jaxalign.numerics.pallas_matmul import _precision
 
 F32 = jnp.float32

@@ -1,6 +1,6 @@
 """Run directories you can trust: what produced a run is recorded, and metrics survive a SIGKILL.
 
-`claim(run_dir, record)` writes `run.json` -- the run's settings, the code fingerprint (`sft.code_fingerprint`:
+`claim(run_dir, record)` writes `run.json` -- the run's settings, the code fingerprint (`code_fingerprint`:
 jaxalign's source and the JAX/jaxlib versions), a hash of the starting weights and the host (backend, versions,
 CPU model and the instruction set XLA:CPU generates code for). On a directory that already has one it compares:
 other settings, another build or other starting weights refuse with an error that lists every difference (the
@@ -16,6 +16,7 @@ every step exactly once, and the file is byte-identical to an uninterrupted run'
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,9 +57,25 @@ def weights_fingerprint(tree) -> str:
     return digest.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=None)
+def code_fingerprint() -> str:
+    """A hash of jaxalign's Python source and the JAX/jaxlib versions: anything that can change the float bits
+    of a training run. (A warm start cached by another build once silently replaced what this build trains.)"""
+    import jax
+    import jaxlib
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
+    for folder, _, files in sorted(os.walk(root)):  # every folder, in path order
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 def make_record(settings: dict, start_weights: str = "") -> dict:
     """What `run.json` holds for a run with these (JSON-ready) settings."""
-    from jaxalign.rl.sft import code_fingerprint
     return {"settings": json.loads(json.dumps(settings)), "code": code_fingerprint(),
             "start_weights": start_weights, "host": host_info()}
 

@@ -4,14 +4,12 @@ every arm and seed of an experiment starts from the same weights."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
 from flax import nnx
@@ -22,6 +20,7 @@ from jaxalign.model.scoring import sequence_logprobs
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.rl import countdown, tokenizer
+from jaxalign.rl.rundir import code_fingerprint
 from jaxalign.rl.trainer import PROMPT_WIDTH, make_optimizer
 
 
@@ -119,21 +118,6 @@ def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
         tokens[i, : len(prompt) + len(answer)] = prompt + answer
         mask[i, len(prompt) - 1: len(prompt) - 1 + len(answer)] = True
     return tokens, mask
-
-
-@functools.lru_cache(maxsize=None)
-def code_fingerprint() -> str:
-    """A hash of jaxalign's Python source and the JAX/jaxlib versions: anything that can change the float bits
-    of a training run. (A warm start cached by another build once silently replaced what this build trains.)"""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    digest = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
-    for folder, _, files in sorted(os.walk(root)):  # every folder, in path order
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(folder, name)
-            digest.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as f:
-                digest.update(f.read())
-    return digest.hexdigest()[:16]
 
 
 def cache_key(model_config: ModelConfig, cfg: SFTConfig, code: str | None = None) -> str:
