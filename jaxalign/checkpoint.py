@@ -10,6 +10,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxalign.files import read_json
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.transformer import Transformer
 
@@ -42,8 +43,10 @@ def load_model(directory: str) -> Transformer:
     config_path = os.path.join(directory, "config.json")
     if not os.path.exists(config_path):
         raise ValueError(f"{directory}: not a jaxalign checkpoint (no config.json)")
-    with open(config_path) as f:
-        config = ModelConfig.from_dict(json.load(f))
+    content = read_json(config_path, "the jaxalign checkpoint's config")
+    if not isinstance(content, dict):
+        raise ValueError(f"{config_path}: expected a JSON object (a jaxalign ModelConfig)")
+    config = ModelConfig.from_dict(content)
     model = Transformer(config, rngs=nnx.Rngs(0))
     state = nnx.state(model, nnx.Param)
     target = nnx.to_pure_dict(state)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxalign.files import open_safetensors
 from jaxalign.model.routing import RoutingRecord, check_expert_indices
 
 __all__ = ["FORMAT", "FORMATS", "RoutingRecord", "empty_record", "from_slime", "from_verl", "load_record",
@@ -61,7 +61,7 @@ def load_record(path, *, config, check_fingerprint: bool = True) -> tuple[Routin
     """Read a record written by `save_record` (or by another stack following docs/router-replay.md) and check
     it fits `config`. `weights`/`margins`/`index_margins` are optional in the file; `index_positions` needs
     format v2 and a DSA model. Returns (record, metadata)."""
-    with safe_open(str(path), framework="np") as f:
+    with open_safetensors(str(path)) as f:
         meta = dict(f.metadata() or {})
         names = set(f.keys())
         if "indices" not in names:

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 
+from jaxalign.files import read_json, read_lines
 from jaxalign.metrics.mismatch import mismatch_metrics
 from jaxalign.metrics.routing import routing_metrics
 from jaxalign.model.scoring import forward
@@ -24,23 +25,22 @@ def read_prompts(path: str) -> list[list[int]]:
     """Token sequences from a file: JSONL lines `{"tokens": [...]}` (or a bare JSON list), or plain lines of
     whitespace-separated integer ids."""
     sequences = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                if line[0] in "[{":
-                    item = json.loads(line)
-                    tokens = item["tokens"] if isinstance(item, dict) else item
-                else:
-                    tokens = [int(x) for x in line.split()]
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{number}: expected {{\"tokens\": [ids...]}} or space-separated ids "
-                                 f"({err})") from None
-            if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, int) for t in tokens):
-                raise ValueError(f"{path}:{number}: a sequence needs at least 2 integer token ids")
-            sequences.append(tokens)
+    for number, line in enumerate(read_lines(path, "the prompts file"), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            if line[0] in "[{":
+                item = json.loads(line)
+                tokens = item["tokens"] if isinstance(item, dict) else item
+            else:
+                tokens = [int(x) for x in line.split()]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}:{number}: expected {{\"tokens\": [ids...]}} or space-separated ids "
+                             f"({err})") from None
+        if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, int) for t in tokens):
+            raise ValueError(f"{path}:{number}: a sequence needs at least 2 integer token ids")
+        sequences.append(tokens)
     if not sequences:
         raise ValueError(f"{path}: no sequences")
     return sequences
@@ -75,27 +75,25 @@ def read_candidate(path: str) -> dict[int, dict]:
     """Candidate JSONL: one object per sequence with `id`, `tokens`, `logprobs` (entry t = log p(tokens[t] |
     tokens[:t]); entry 0 null) and optionally `routed_experts` [seq][moe_layers][k]."""
     out = {}
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                key = int(item["id"])
-                item["tokens"], item["logprobs"]  # noqa: B018  (presence check)
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{number}: expected a JSON object with id, tokens, logprobs ({err})") \
-                    from None
-            out[key] = item
+    for number, line in enumerate(read_lines(path, "the candidate file"), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            key = int(item["id"])
+            item["tokens"], item["logprobs"]  # noqa: B018  (presence check)
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}:{number}: expected a JSON object with id, tokens, logprobs ({err})") from None
+        out[key] = item
     return out
 
 
 def check_golden(golden_path: str, candidate_path: str, *, threshold: float = EQUIVALENCE_K3) -> dict:
     """Compare a candidate to a golden file: k3, max |dlogp|, route agreement, pass/fail at `threshold`."""
-    with open(golden_path) as f:
-        golden = json.load(f)
-    if golden.get("format") != FORMAT:
-        raise ValueError(f"{golden_path}: format {golden.get('format')!r}; expected {FORMAT!r}")
+    golden = read_json(golden_path, "the golden file")
+    if not isinstance(golden, dict) or golden.get("format") != FORMAT:
+        found = golden.get("format") if isinstance(golden, dict) else type(golden).__name__
+        raise ValueError(f"{golden_path}: format {found!r}; expected {FORMAT!r}")
     candidate = read_candidate(candidate_path)
     seqs = golden["sequences"]
     missing = [s["id"] for s in seqs if s["id"] not in candidate]

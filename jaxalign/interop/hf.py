@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can read bf16)
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxalign.files import open_safetensors, read_json
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.transformer import Transformer
 
@@ -214,8 +214,11 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
     as float32 numpy arrays."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        content = read_json(index, "the safetensors index")
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no weight_map object (tensor name -> shard file)")
+        files = sorted(set(weight_map.values()))
     elif os.path.exists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -223,7 +226,7 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
                          f"checkpoints are read; pickled .bin files are never loaded)")
     out = {}
     for name in files:
-        with safe_open(os.path.join(path, name), framework="np") as f:
+        with open_safetensors(os.path.join(path, name)) as f:
             for key in f.keys():
                 arr = f.get_tensor(key)
                 if arr.dtype.kind not in "fV" and str(arr.dtype) != "bfloat16":
@@ -385,8 +388,10 @@ def load(path: str) -> Transformer:
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise ValueError(f"{path}: no config.json; expected a transformers checkpoint directory")
-    with open(config_path) as f:
-        cfg = config_from_hf(json.load(f))
+    hf_config = read_json(config_path, "the transformers config")
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{config_path}: expected a JSON object (a transformers config)")
+    cfg = config_from_hf(hf_config)
     params = params_from_hf(read_tensors(path), cfg)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     state = nnx.state(model, nnx.Param)
