@@ -66,8 +66,9 @@ def test_pair_with_a_gap_fails_with_documented_json(capsys):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="TF32 is refused only on XLA:CPU")
-def test_policy_the_backend_cannot_run_is_refused_first(capsys):
-    code, out = _run(capsys, "--engine", "fp32-tf32", "--model", "no-such-model")
+def test_policy_the_backend_cannot_run_is_refused_first(capsys, tmp_path):
+    # --model names a directory that is no checkpoint: loading it would fail, so the policy is refused first
+    code, out = _run(capsys, "--engine", "fp32-tf32", "--model", str(tmp_path))
     assert code == 2
     assert "--engine: NumericPolicy.matmul_acc = 'TF32_TF32_F32'" in out.err and "allowed on cpu" in out.err
 

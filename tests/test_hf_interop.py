@@ -275,7 +275,7 @@ def test_golden_check_passes_for_transformers_in_fp32_and_reports_the_bf16_gap(t
     def run(*args):
         return subprocess.run(list(args), capture_output=True, text=True, timeout=600, cwd=ROOT)
 
-    out = run("jaxalign", "golden", "export", "--hf", path, "--policy", "fp32", "--prompts", str(prompts),
+    out = run("jaxalign", "golden", "export", "--model", path, "--policy", "fp32", "--prompts-file", str(prompts),
               "--out", str(golden))
     assert out.returncode == 0, out.stderr
     content = json.loads(golden.read_text())

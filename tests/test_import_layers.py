@@ -3,7 +3,8 @@ imports included, parsed with `ast`, nothing imported) goes to its own package o
 (`_x`) object of another package, and no two modules import each other, directly or around a loop.
 
 The floors, lowest first (docs/architecture.md):
-0. numerics (every numeric decision), metrics (gap metrics on arrays), replay_modes, report, distributed, version
+0. numerics (every numeric decision), metrics (gap metrics on arrays), files (reading users' files), replay_modes,
+   report, distributed, version
 1. runtime (process settings: XLA flags)
 2. model
 3. engine (rollout side), checkpoint, interop (other stacks' formats)
@@ -23,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxalign"
 
 FLOORS = (
-    ("numerics", "metrics", "replay_modes", "report", "distributed", "version"),
+    ("numerics", "metrics", "files", "replay_modes", "report", "distributed", "version"),
     ("runtime",),
     ("model",),
     ("engine", "checkpoint", "interop"),

@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 from typing import Any, Callable
 
-from flax import nnx
-
-from jaxalign.model.config import ModelConfig, preset_names
+from jaxalign import check
+from jaxalign.model.config import preset_names
+from jaxalign.model.sharding import make_mesh, parse_mesh_spec
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.replay_modes import REPLAY_MODES
@@ -45,16 +46,22 @@ int_list = ints(1, "1,8,32")
 int_list_nonneg = ints(0, "0,1,2")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a positive int")
+    return value
+
+
 def model_preset(name: str) -> str:
     """An argparse type: a model preset name."""
     if name not in preset_names():
         raise argparse.ArgumentTypeError(f"unknown model preset {name!r}; allowed: {', '.join(preset_names())}")
     return name
-
-
-def build_model(preset: str, seed: int = 0) -> Transformer:
-    """A randomly initialised model of a preset config."""
-    return Transformer(ModelConfig.preset(preset), rngs=nnx.Rngs(seed))
 
 
 def str_list(text: str) -> tuple[str, ...]:
@@ -88,20 +95,36 @@ def policy_arg(text: str) -> NumericPolicy:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_model_args(p: argparse.ArgumentParser, *, default: str | None, model_type: Callable | None = None,
-                   help: str) -> None:
-    """--model and --model-seed."""
-    p.add_argument("--model", type=model_type, default=default, help=help)
-    p.add_argument("--model-seed", type=int, default=0, help="parameter init seed")
+def model_spec(text: str) -> str:
+    """An argparse type: a model preset name or a directory (a transformers or a jaxalign checkpoint, loaded by
+    `jaxalign.check.load_model`)."""
+    if text in preset_names() or os.path.isdir(text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a model preset nor a directory; allowed: a transformers "
+                                     f"checkpoint directory, a jaxalign checkpoint directory, or one of "
+                                     f"{', '.join(preset_names())}")
+
+
+def add_model_args(p: argparse.ArgumentParser, *, default: str | None, required: bool = False) -> None:
+    """--model (a preset or a checkpoint directory) and --model-seed."""
+    p.add_argument("--model", type=model_spec, default=default, required=required, metavar="PRESET|DIR",
+                   help="a model preset (randomly initialised with --model-seed), a transformers checkpoint "
+                        "directory (config.json and safetensors) or a jaxalign checkpoint directory")
+    p.add_argument("--model-seed", type=int, default=0, help="parameter init seed of a preset model")
+
+
+def load_model(args: argparse.Namespace) -> Transformer:
+    """The model --model names (--model-seed initialises a preset)."""
+    return check.load_model(args.model, args.model_seed)
 
 
 def add_policy_args(p: argparse.ArgumentParser, *, trainer: str, engine: str, trainer_help: str = "trainer policy",
                     engine_help: str = "engine policy") -> None:
     """--trainer and --engine: policy strings, parsed once; defaults are preset names."""
-    p.add_argument("--trainer", type=policy_arg, default=NumericPolicy.preset(trainer),
-                   help=f"{trainer_help} (preset or string; default {trainer})")
-    p.add_argument("--engine", type=policy_arg, default=NumericPolicy.preset(engine),
-                   help=f"{engine_help} (default {engine})")
+    for option, default, what in (("--trainer", trainer, trainer_help), ("--engine", engine, engine_help)):
+        p.add_argument(option, type=policy_arg, default=default, metavar="POLICY",
+                       help=f"{what}: a preset or a policy string, e.g. {default},kernel=tiled:8 (see jaxalign "
+                            "policies)")
 
 
 def add_replay_arg(p: argparse.ArgumentParser, *, func: Callable, choices: tuple[str, ...] = REPLAY_MODES,
@@ -111,9 +134,12 @@ def add_replay_arg(p: argparse.ArgumentParser, *, func: Callable, choices: tuple
 
 
 def add_generation_args(p: argparse.ArgumentParser, *, func: Callable, prompts_help: str = "number of prompts") -> None:
-    """--prompts, --max-new-tokens and --seed, with `func`'s defaults (`n_prompts`, `max_new_tokens`, `seed`)."""
-    p.add_argument("--prompts", type=int, default=param_default(func, "n_prompts"), help=prompts_help)
-    p.add_argument("--max-new-tokens", type=int, default=param_default(func, "max_new_tokens"))
+    """--prompts N (a count), --max-new-tokens and --seed, with `func`'s defaults (`n_prompts`, `max_new_tokens`,
+    `seed`)."""
+    p.add_argument("--prompts", type=positive_int, default=param_default(func, "n_prompts"), metavar="N",
+                   help=prompts_help)
+    p.add_argument("--max-new-tokens", type=positive_int, default=param_default(func, "max_new_tokens"),
+                   help="tokens the engine generates after each prompt")
     p.add_argument("--seed", type=int, default=param_default(func, "seed"), help="prompt and sampling seed")
 
 
@@ -135,20 +161,55 @@ def checked_text(validate: Callable[[str], object]) -> Callable[[str], str]:
 
 
 def _mesh_spec(text: str) -> str:
-    from jaxalign.model.sharding import parse_mesh_spec
     return checked_text(parse_mesh_spec)(text)
 
 
 def add_mesh_args(p: argparse.ArgumentParser) -> None:
     """--trainer-mesh, --engine-mesh and --host-devices."""
     p.add_argument("--trainer-mesh", type=_mesh_spec, default=None,
-                   help="trainer-side device mesh, e.g. fsdp=4,tensor=2 (axes data, fsdp, expert, tensor)")
-    p.add_argument("--engine-mesh", type=_mesh_spec, default=None, help="engine-side device mesh, e.g. tensor=8")
-    p.add_argument("--host-devices", type=int, default=None,
-                   help="on CPU, fake this many devices (sets XLA_FLAGS before JAX starts)")
+                   help="trainer-side device mesh, e.g. fsdp=4,tensor=2 (axes data, fsdp, expert, tensor; default: "
+                        "none, one device)")
+    p.add_argument("--engine-mesh", type=_mesh_spec, default=None,
+                   help="engine-side device mesh, e.g. tensor=8 (default: none, one device)")
+    p.add_argument("--host-devices", type=positive_int, default=None,
+                   help="on CPU, fake this many devices (sets XLA_FLAGS before JAX starts; default: the real ones)")
 
 
 def meshes(args: argparse.Namespace):
     """(trainer mesh, engine mesh) from --trainer-mesh / --engine-mesh (None where not given)."""
-    from jaxalign.model.sharding import make_mesh
     return tuple(None if spec is None else make_mesh(spec) for spec in (args.trainer_mesh, args.engine_mesh))
+
+
+def output_dir(path: str, option: str = "--out") -> str:
+    """Create the output directory `path` (and its parents) before a long run starts; UsageError naming it when
+    it is a file or cannot be created."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{option} {path}: exists and is not a directory") from None
+    except OSError as err:
+        raise UsageError(f"{option} {path}: cannot create the directory ({err.strerror})") from None
+    return path
+
+
+def default_text(value: Any) -> str:
+    """How a default reads in --help: lists comma-separated, a policy by its string, None as none."""
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value)) or '""'
+    return str(value)
+
+
+def finish(parser: argparse.ArgumentParser) -> None:
+    """For `parser` and its subcommands: append `(default: X)` to the help of every option that takes a value, is
+    not required and does not state its default already; and accept options only by their full names (with
+    abbreviations, `--prompts F` would silently mean `--prompts-file F` where only that exists)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                finish(sub)
+        elif (action.option_strings and action.nargs != 0 and not action.required and action.help
+              and action.help is not argparse.SUPPRESS and "default" not in action.help):
+            action.help += " (default: " + default_text(action.default).replace("%", "%%") + ")"

@@ -3,45 +3,33 @@ trainer-engine gaps; exit 0 when every check passes, 1 otherwise, 2 on bad input
 
 from __future__ import annotations
 
-import argparse
-
 from jaxalign import report
 from jaxalign.check import (CHECK_MODEL, CHECK_PAIR, ENGINE_BATCHES, PROBE_BATCHES, THRESHOLD_INDEX_FLIPS,
-                            THRESHOLD_K3, THRESHOLD_ROUTE_FLIPS, format_report, load_model, run_check)
-from jaxalign.cli.args import add_generation_args, add_json_arg, add_model_args, add_policy_args, add_replay_arg
+                            THRESHOLD_K3, THRESHOLD_ROUTE_FLIPS, format_report, run_check)
+from jaxalign.cli.args import (add_generation_args, add_json_arg, add_model_args, add_policy_args, add_replay_arg,
+                               int_list, load_model)
 from jaxalign.numerics.precision import check_backend
-
-
-def _batches_arg(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a comma-separated list of positive ints, e.g. 1,8,32")
-    return values
 
 
 def add_parser(sub) -> None:
     """Add the `check` subcommand to the `jaxalign` command's subparsers."""
     p = sub.add_parser("check", help="validate a model and a trainer/engine policy pair on this backend: precision "
                                      "audit, batch-invariance probes, trainer-engine gaps (exit 1 on a failure)")
-    add_model_args(p, default=CHECK_MODEL, help=f"a model preset, a transformers checkpoint directory or a "
-                                                 f"jaxalign checkpoint directory (default {CHECK_MODEL})")
+    add_model_args(p, default=CHECK_MODEL)
     add_policy_args(p, **CHECK_PAIR)
-    p.add_argument("--engine-batch", type=_batches_arg, default=ENGINE_BATCHES,
-                   help="engine batch sizes (default 1,8,32); the largest also runs continuous batching and "
+    p.add_argument("--engine-batch", type=int_list, default=ENGINE_BATCHES,
+                   help="engine batch sizes, comma-separated; the largest also runs continuous batching and "
                         "chunked prefill")
-    p.add_argument("--probe-batch", type=_batches_arg, default=PROBE_BATCHES,
-                   help="batch sizes of the kernel probes (default 1,2,3,8,13,32)")
+    p.add_argument("--probe-batch", type=int_list, default=PROBE_BATCHES,
+                   help="batch sizes of the kernel probes, comma-separated")
     add_generation_args(p, func=run_check, prompts_help="prompts per run (default: the largest engine batch)")
     add_replay_arg(p, func=run_check, help="router replay on the trainer side (r3: the engine's experts)")
     p.add_argument("--max-k3", type=float, default=THRESHOLD_K3,
-                   help=f"largest k3 a non-aligned pair may show (default {THRESHOLD_K3}, the seed's 'equivalent')")
+                   help="largest k3 a non-aligned pair may show (the seed's 'equivalent')")
     p.add_argument("--max-route-flips", type=float, default=THRESHOLD_ROUTE_FLIPS,
-                   help="largest fraction of router decisions a non-aligned pair may flip (default 0)")
+                   help="largest fraction of router decisions a non-aligned pair may flip")
     p.add_argument("--max-index-flips", type=float, default=THRESHOLD_INDEX_FLIPS,
-                   help="largest fraction of DSA key selections a non-aligned pair may flip (default 0)")
+                   help="largest fraction of DSA key selections a non-aligned pair may flip")
     add_json_arg(p, "print the report as one JSON object (docs/check.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -51,7 +39,7 @@ def run(args) -> int:
     """The `jaxalign check` command: exit 0 when every check passes, 1 otherwise (2 on bad input)."""
     check_backend(args.trainer, label="--trainer")  # before the model loads
     check_backend(args.engine, label="--engine")
-    result = run_check(load_model(args.model, args.model_seed), args.trainer, args.engine,
+    result = run_check(load_model(args), args.trainer, args.engine,
                        engine_batches=args.engine_batch, probe_batches=args.probe_batch, n_prompts=args.prompts,
                        max_new_tokens=args.max_new_tokens, seed=args.seed, progress=not args.no_progress,
                        replay=args.replay, max_k3=args.max_k3, max_route_flips=args.max_route_flips,

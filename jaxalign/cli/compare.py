@@ -4,9 +4,11 @@ batch size."""
 from __future__ import annotations
 
 from jaxalign import report
+from jaxalign.align.compare import compare
 from jaxalign.cli.args import (COMMAND_MODEL, GAP_PAIR, add_generation_args, add_json_arg, add_mesh_args,
-                               add_model_args, add_policy_args, add_replay_arg, build_model, int_list, meshes,
-                               model_preset, param_default)
+                               add_model_args, add_policy_args, add_replay_arg, int_list, load_model, meshes,
+                               param_default, positive_int)
+from jaxalign.engine.engine import SCHEDULES
 
 COMPARE_COLUMNS = ["engine_batch", "kl", "k3_kl", "chi2_token", "max_abs_logp_diff", "bitwise_equal_fraction",
                    "route_flip_rate", "route_token_any_flip", "n_tokens"]
@@ -14,9 +16,8 @@ COMPARE_COLUMNS = ["engine_batch", "kl", "k3_kl", "chi2_token", "max_abs_logp_di
 
 def run(args) -> int:
     """Run `jaxalign.align.compare.compare` and print its runs."""
-    from jaxalign.align.compare import compare
     trainer_mesh, engine_mesh = meshes(args)
-    result = compare(build_model(args.model, args.model_seed), args.trainer, args.engine, replay=args.replay,
+    result = compare(load_model(args), args.trainer, args.engine, replay=args.replay,
                      n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, engine_batches=args.engine_batch,
                      schedule=args.schedule, prefill_chunk=args.prefill_chunk, seed=args.seed,
                      trainer_mesh=trainer_mesh, engine_mesh=engine_mesh)
@@ -33,19 +34,21 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     """Add the `compare` subcommand."""
-    from jaxalign.align.compare import compare
-    from jaxalign.engine.engine import SCHEDULES
     p = sub.add_parser("compare", help="generate with the engine policy, score with the trainer policy, "
                                        "report KL / k3 / route flips per engine batch size")
-    add_model_args(p, default=COMMAND_MODEL, model_type=model_preset, help=f"model preset (default {COMMAND_MODEL})")
+    add_model_args(p, default=COMMAND_MODEL)
     add_policy_args(p, **GAP_PAIR)
     add_replay_arg(p, func=compare, help="router replay mode (r3w: the engine's experts and combine weights; "
                                          "+index: the engine's DSA index selections)")
     add_generation_args(p, func=compare)
     p.add_argument("--engine-batch", type=int_list, default=list(param_default(compare, "engine_batches")),
-                   help="engine batch sizes, e.g. 1,8,32")
-    p.add_argument("--schedule", choices=SCHEDULES, default=param_default(compare, "schedule"))
-    p.add_argument("--prefill-chunk", type=int, default=param_default(compare, "prefill_chunk"))
+                   help="engine batch sizes, comma-separated, e.g. 1,8,32: one run each")
+    p.add_argument("--schedule", choices=SCHEDULES, default=param_default(compare, "schedule"),
+                   help="static: each batch of prompts prefilled and decoded together; continuous: a prompt takes "
+                        "a slot another one freed")
+    p.add_argument("--prefill-chunk", type=positive_int, default=param_default(compare, "prefill_chunk"),
+                   help="static schedule: prefill prompts in chunks of this many tokens (default: the whole prompt "
+                        "at once)")
     add_json_arg(p, "one JSON object with all metrics per engine batch size")
     add_mesh_args(p)
     p.set_defaults(func=run)

@@ -6,18 +6,17 @@ import argparse
 
 from jaxalign import report
 from jaxalign.cli.args import (add_json_arg, add_mesh_args, checked_text, field_default, int_list_nonneg,
-                               model_preset, str_list)
+                               model_preset, output_dir, positive_int, str_list)
+from jaxalign.rl.arms import GRAMMAR, parse_arms
+from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
+from jaxalign.rl.sft import ANSWERS as SFT_ANSWERS, SFTConfig, parse_answers as parse_sft_answers
+from jaxalign.rl.study import STUDY_SEEDS, STUDY_STEPS, run_study, study_markdown
 
 
 def _arms(args):
-    """The experiment's arms from --arm (repeatable) or the older --arms NAME,NAME (built-ins only), parsed
-    (a clear error before anything runs); ExperimentConfig's default arms when neither is given."""
-    from jaxalign.rl.arms import parse_arms
-    from jaxalign.rl.experiment import ExperimentConfig
-    if args.arm and args.arms:
-        raise ValueError("give arms with --arm (repeatable) or --arms NAME,NAME, not both")
-    arms = tuple(args.arm) if args.arm else (tuple(args.arms) if args.arms else field_default(ExperimentConfig, "arms"))
-    return parse_arms(arms)
+    """The experiment's arms from --arm (repeatable), parsed (a clear error before anything runs);
+    ExperimentConfig's default arms when none is given."""
+    return parse_arms(tuple(args.arm) if args.arm else field_default(ExperimentConfig, "arms"))
 
 
 def _count_range(text: str) -> tuple[int, int]:
@@ -33,9 +32,6 @@ def _count_range(text: str) -> tuple[int, int]:
 
 def run(args) -> int:
     """Run the experiment (or the study) into --out and print its summary."""
-    from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
-    from jaxalign.rl.sft import SFTConfig
-    from jaxalign.rl.study import STUDY_SEEDS, STUDY_STEPS
     study = args.study is not None
     steps = args.steps if args.steps is not None else (STUDY_STEPS if study else field_default(ExperimentConfig,
                                                                                                 "steps"))
@@ -52,10 +48,9 @@ def run(args) -> int:
                                          problem_count=tuple(args.problem_count),
                                          max_new_tokens=args.max_new_tokens, answers=args.sft_answers),
                            trainer_mesh=args.trainer_mesh or "", engine_mesh=args.engine_mesh or "")
+    output_dir(args.out)  # a file or an unwritable place fails here, after the settings are checked
     if args.study:
-        from jaxalign.rl.study import run_study, study_markdown
-        result = run_study(exp, args.out, progress=not args.json,
-                           arms=exp.arms if (args.arm or args.arms) else None)
+        result = run_study(exp, args.out, progress=not args.json, arms=exp.arms if args.arm else None)
         print(report.to_json(result) if args.json else study_markdown(result))
         return 0
     summary = run_experiment(exp, args.out, progress=not args.json)
@@ -69,10 +64,6 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     """`jaxalign experiment countdown`: every default is ExperimentConfig's (or SFTConfig's) field default."""
-    from jaxalign.rl.arms import BUILTIN, GRAMMAR
-    from jaxalign.rl.experiment import ExperimentConfig
-    from jaxalign.rl.sft import ANSWERS as SFT_ANSWERS, SFTConfig, parse_answers as parse_sft_answers
-    from jaxalign.rl.study import STUDY_SEEDS, STUDY_STEPS
     exp = lambda name: field_default(ExperimentConfig, name)  # noqa: E731
     p = sub.add_parser("experiment", help="RL experiments")
     esub = p.add_subparsers(dest="experiment", required=True)
@@ -81,30 +72,37 @@ def add_parser(sub) -> None:
     e.add_argument("--arm", action="append", default=[], metavar="SPEC",
                    help=f"an arm, repeatable: {GRAMMAR} (policies may contain commas; see jaxalign.rl.arms); "
                         f"default: {' and '.join(exp('arms'))}")
-    e.add_argument("--arms", type=str_list, default=None,
-                   help=f"built-in arm names ({', '.join(BUILTIN)}), comma-separated (older form)")
     e.add_argument("--study", choices=("gap",), default=None,
                    help="gap: the dose-response study over a ladder of engine policies, with and without "
-                        "correction (--arm then replaces the ladder)")
+                        "correction (--arm then replaces the ladder; default: none, the arms alone)")
     e.add_argument("--model", type=model_preset, default=exp("model"),
-                   help=f"model preset (default {exp('model')}); its vocabulary must hold the Countdown "
-                        f"tokenizer's, e.g. tiny-glm5, tiny-deepseek-v3")
-    e.add_argument("--steps", type=int, default=None, help=f"default {exp('steps')} (the study: {STUDY_STEPS})")
+                   help="model preset (a preset only: the run builds it, warm-starts it and trains it); its "
+                        "vocabulary must hold the Countdown tokenizer's, e.g. tiny-glm5, tiny-deepseek-v3")
+    e.add_argument("--steps", type=positive_int, default=None,
+                   help=f"RL steps of each run (default {exp('steps')}; the study: {STUDY_STEPS})")
     e.add_argument("--seeds", type=int_list_nonneg, default=None,
-                   help=f"e.g. 0,1,2 (default {_ints_text(exp('seeds'))}; the study: {_ints_text(STUDY_SEEDS)})")
-    for name in ("prompts_per_step", "group_size", "max_new_tokens", "eval_every", "eval_problems", "max_target"):
-        e.add_argument("--" + name.replace("_", "-"), type=int, default=exp(name))
-    e.add_argument("--learning-rate", type=float, default=exp("learning_rate"))
+                   help=f"seeds, one run of each arm per seed, e.g. 0,1,2 (default {_ints_text(exp('seeds'))}; the "
+                        f"study: {_ints_text(STUDY_SEEDS)})")
+    for name, what in (("prompts_per_step", "Countdown problems per RL step"),
+                       ("group_size", "answers sampled per problem (the GRPO group)"),
+                       ("max_new_tokens", "most tokens of an answer"),
+                       ("eval_every", "RL steps between held-out evaluations"),
+                       ("eval_problems", "held-out problems per evaluation"),
+                       ("max_target", "largest target number of a problem")):
+        e.add_argument("--" + name.replace("_", "-"), type=positive_int, default=exp(name), help=what)
+    e.add_argument("--learning-rate", type=float, default=exp("learning_rate"), help="AdamW learning rate of RL")
     e.add_argument("--ppo-epochs", type=int, default=exp("ppo_epochs"), help="optimizer steps on each collected batch")
     e.add_argument("--is-threshold", default=exp("is_threshold"),
-                   help="default correction: TIS cap C, or lo_hi for IcePop")
+                   help="the correction of arms that name none: TIS cap C, or lo_hi for IcePop")
     e.add_argument("--rs", type=str_list, default=exp("rs"),
-                   help="default correction: rejection rules MODE:THRESHOLD, comma-separated (empty string: none)")
-    e.add_argument("--problem-count", type=_count_range, default=exp("problem_count"),
-                   help="how many numbers a problem has: N or MIN-MAX within 2..4 (default "
-                        f"{_count_text(exp('problem_count'))})")
-    e.add_argument("--sft-steps", type=int, default=field_default(SFTConfig, "steps"))
-    e.add_argument("--sft-problems", type=int, default=field_default(SFTConfig, "problems"))
+                   help="the correction of arms that name none: rejection rules MODE:THRESHOLD, comma-separated "
+                        "(empty string: none)")
+    e.add_argument("--problem-count", type=_count_range, default=_count_text(exp("problem_count")),
+                   help="how many numbers a problem has: N or MIN-MAX within 2..4")
+    e.add_argument("--sft-steps", type=int, default=field_default(SFTConfig, "steps"),
+                   help="supervised warm-start steps before RL")
+    e.add_argument("--sft-problems", type=positive_int, default=field_default(SFTConfig, "problems"),
+                   help="problems the warm start trains on")
     e.add_argument("--sft-answers", type=checked_text(parse_sft_answers), default=field_default(SFTConfig, "answers"),
                    help=f"warm-start answers, one of {', '.join(SFT_ANSWERS)}: brute-force solutions; random "
                         "well-formed expressions (RL must then learn correctness); or the solution with "

@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 from jaxalign import report
-from jaxalign.cli.args import UsageError, build_model, model_preset, policy_arg
-from jaxalign.model.transformer import Transformer
-from jaxalign.numerics import PRESETS
-
-
-def _golden_model(args) -> Transformer:
-    if bool(args.model) == bool(args.hf):
-        raise UsageError("golden export needs exactly one of --model PRESET or --hf DIR")
-    if args.hf:
-        from jaxalign.interop import hf
-        return hf.load(args.hf)
-    return build_model(args.model, args.model_seed)
+from jaxalign.cli.args import UsageError, add_model_args, load_model, param_default, policy_arg, positive_int
+from jaxalign.interop import golden, hf
 
 
 def run(args) -> int:
     """`golden export` (exit 0) or `golden check` (exit 0 when the candidate passes, 1 when it fails)."""
-    from jaxalign.interop import golden
     if args.golden_command == "export":
-        model = _golden_model(args)
+        sequences = golden.read_prompts(args.prompts_file)  # a bad file fails before the model loads
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+            raise UsageError(f"--out {args.out}: its directory does not exist")
+        model = load_model(args)
         if args.save_hf:
-            from jaxalign.interop import hf
             hf.save(model, args.save_hf)
-        content = golden.export_golden(model, golden.read_prompts(args.prompts), args.policy, args.out,
-                                       top_n=args.top_n)
+        content = golden.export_golden(model, sequences, args.policy, args.out, top_n=args.top_n)
         print(f"wrote {args.out}: {len(content['sequences'])} sequences under {args.policy}")
         return 0
     result = golden.check_golden(args.golden, args.candidate, threshold=args.threshold)
@@ -46,18 +38,23 @@ def add_parser(sub) -> None:
     gsub = p.add_subparsers(dest="golden_command", required=True)
     g = gsub.add_parser("export", help="score sequences under a policy and write tokens, logprobs, top-n "
                                        "logprobs and routing")
-    g.add_argument("--model", type=model_preset, help="model preset (random init, --model-seed)")
-    g.add_argument("--model-seed", type=int, default=0)
-    g.add_argument("--hf", help="a transformers checkpoint directory instead of a preset")
-    g.add_argument("--save-hf", help="also write the model as a transformers checkpoint here")
-    g.add_argument("--policy", type=policy_arg, default=PRESETS["fp32"])
-    g.add_argument("--prompts", required=True, help="JSONL {\"tokens\": [...]} or lines of token ids")
-    g.add_argument("--top-n", type=int, default=5)
-    g.add_argument("--out", required=True)
+    add_model_args(g, default=None, required=True)
+    g.add_argument("--save-hf", metavar="DIR",
+                   help="also write the model as a transformers checkpoint here (default: not written)")
+    g.add_argument("--policy", type=policy_arg, default="fp32", metavar="POLICY",
+                   help="the policy the sequences are scored under: a preset or a policy string")
+    g.add_argument("--prompts-file", required=True, metavar="FILE",
+                   help="the sequences: JSONL lines {\"tokens\": [...]} or lines of space-separated token ids")
+    g.add_argument("--top-n", type=positive_int, default=param_default(golden.export_golden, "top_n"),
+                   help="how many of the most likely tokens to record at each position")
+    g.add_argument("--out", required=True, metavar="FILE", help="the golden file to write (JSON)")
     g.set_defaults(func=run)
     g = gsub.add_parser("check", help="compare a candidate JSONL to a golden file (exit 1 when it fails)")
-    g.add_argument("--golden", required=True)
-    g.add_argument("--candidate", required=True)
-    g.add_argument("--threshold", type=float, default=1e-3, help="k3 at or below which the two are equivalent")
-    g.add_argument("--json", action="store_true")
+    g.add_argument("--golden", required=True, metavar="FILE", help="the golden file `golden export` wrote")
+    g.add_argument("--candidate", required=True, metavar="FILE",
+                   help="the other stack's JSONL: one {\"id\", \"tokens\", \"logprobs\"[, \"routed_experts\"]} "
+                        "per sequence (docs/porting.md)")
+    g.add_argument("--threshold", type=float, default=param_default(golden.check_golden, "threshold"),
+                   help="k3 at or below which the two are equivalent")
+    g.add_argument("--json", action="store_true", help="print the result as one JSON object")
     g.set_defaults(func=run)

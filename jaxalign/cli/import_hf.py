@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from jaxalign.checkpoint import save_model
+from jaxalign.interop import hf
+
 
 def run(args) -> int:
     """Load the transformers checkpoint and save it with `jaxalign.checkpoint.save_model`."""
-    from jaxalign.checkpoint import save_model
-    from jaxalign.interop import hf
     model = hf.load(args.directory)
     out = save_model(model, args.out, overwrite=args.overwrite)
     print(f"imported {model.config.family} ({model.config.fingerprint()}) from {args.directory} -> {out}")

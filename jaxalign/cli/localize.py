@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from jaxalign import report
+from jaxalign.align.localize import ATTRIBUTIONS, check_attributions, localize
 from jaxalign.cli.args import (COMMAND_MODEL, GAP_PAIR, add_generation_args, add_json_arg, add_mesh_args,
-                               add_model_args, add_policy_args, add_replay_arg, build_model, checked_text, meshes,
-                               model_preset)
+                               add_model_args, add_policy_args, add_replay_arg, checked_text, load_model, meshes)
 from jaxalign.replay_modes import ENGINE_REPLAY_MODES
 
 
 def run(args) -> int:
     """Run `jaxalign.align.localize.localize` and print its rankings."""
-    from jaxalign.align.localize import localize
     trainer_mesh, engine_mesh = meshes(args)
-    result = localize(build_model(args.model, args.model_seed), args.trainer, args.engine, n_prompts=args.prompts,
+    result = localize(load_model(args), args.trainer, args.engine, n_prompts=args.prompts,
                       max_new_tokens=args.max_new_tokens, seed=args.seed, replay=args.replay,
                       trainer_mesh=trainer_mesh, engine_mesh=engine_mesh, attribute=args.attribute)
     if args.json:
@@ -42,15 +41,14 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     """Add the `localize` subcommand."""
-    from jaxalign.align.localize import ATTRIBUTIONS, check_attributions, localize
     p = sub.add_parser("localize", help="rank the policy fields, layers and modules that carry the gap")
-    add_model_args(p, default=COMMAND_MODEL, model_type=model_preset, help=f"model preset (default {COMMAND_MODEL})")
+    add_model_args(p, default=COMMAND_MODEL)
     add_policy_args(p, **GAP_PAIR, trainer_help="trainer policy (A)", engine_help="engine policy (B)")
     add_replay_arg(p, func=localize, choices=ENGINE_REPLAY_MODES, help="router replay on the trainer side")
     add_generation_args(p, func=localize)
     p.add_argument("--attribute", type=checked_text(check_attributions), default=",".join(ATTRIBUTIONS),
-                   help="comma-separated analyses to run, of " + ", ".join(ATTRIBUTIONS) + " (default all; each "
-                        "variant is a program to compile: fields alone skips the n_layers + 4 of the others)")
+                   help="comma-separated analyses to run, of " + ", ".join(ATTRIBUTIONS) + " (each variant is a "
+                        "program to compile: fields alone skips the n_layers + 4 of the others)")
     add_json_arg(p)
     add_mesh_args(p)
     p.set_defaults(func=run)
