@@ -101,3 +101,17 @@ def test_readme_python_block_runs_as_written(index, tmp_path, monkeypatch, capsy
     for marker, shown in CLAIMS.items():  # what the README says a block prints
         if marker in code:
             assert shown in out, f"README block {index} should print {shown!r}; it printed {out!r}"
+
+
+def test_links_in_readme_and_docs_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists."""
+    import glob
+    broken = []
+    for page in ["README.md", *sorted(glob.glob(os.path.join("docs", "*.md"), root_dir=ROOT))]:
+        with open(os.path.join(ROOT, page)) as f:
+            text = f.read()
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if not target.startswith(("http://", "https://", "mailto:")) and not os.path.exists(
+                    os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target))):
+                broken.append(f"{page}: {target}")
+    assert not broken, broken
