@@ -43,8 +43,16 @@ def _fmt(value) -> str:
 
 
 def _pct(value) -> str:
-    """A fraction as a percentage with two significant digits (0 stays 0)."""
-    return "0" if value == 0 else f"{100 * value:.2g}%"
+    """A fraction as a percentage: whole percents from 10%, else two significant digits (0 stays 0)."""
+    pct = 100 * value
+    if pct == 0:
+        return "0"
+    return f"{pct:.0f}%" if pct >= 10 else f"{pct:.1f}%" if pct >= 1 else f"{pct:.2g}%"
+
+
+def _reward(value) -> str:
+    """A reward (in [0, 1]) or its spread, to 3 decimals."""
+    return f"{value:.3f}"
 
 
 def _markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -79,7 +87,7 @@ def demo_table(record: dict) -> str:
               "tokens rejected", "router decisions flipped", "steps with KL != 0"]
     rows = []
     for arm, v in record["arms"].items():
-        rows.append([arm, f"{v['policies']['trainer']} / {v['policies']['engine']}", f"{_fmt(v['warm_start_reward'])} -> {_fmt(v['final_reward'])}",
+        rows.append([arm, f"{v['policies']['trainer']} / {v['policies']['engine']}", f"{_reward(v['warm_start_reward'])} -> {_reward(v['final_reward'])}",
                      _fmt(v["mean_k3"]), _fmt(v["max_abs_logp_diff"]), _pct(v["rejected_fraction"]),
                      _pct(v["route_flip_rate"]), f"{int(v['steps_with_nonzero_kl'])} of {record['config']['steps']}"])
     cfg = record["config"]
@@ -93,8 +101,8 @@ def study_table(record: dict) -> str:
     """One row per arm of the gap study: the measured gap against final reward, collapses and rejections."""
     header = ["arm", "gap (k3)", "final reward", "peak reward", "collapsed seeds", "tokens rejected",
               "gradient norm", "router decisions flipped"]
-    rows = [[r["arm"], _fmt(r["gap_k3"]), f"{_fmt(r['final_reward'])} ± {_fmt(r['final_reward_std'])}",
-             _fmt(r["peak_reward"]), r["collapsed_seeds"], _pct(r["rejected_fraction"]), _fmt(r["mean_grad_norm"]),
+    rows = [[r["arm"], _fmt(r["gap_k3"]), f"{_reward(r['final_reward'])} ± {_reward(r['final_reward_std'])}",
+             _reward(r["peak_reward"]), r["collapsed_seeds"], _pct(r["rejected_fraction"]), _fmt(r["mean_grad_norm"]),
              _pct(r["route_flip_rate"])] for r in record["rows"]]
     cfg = record["config"]
     note = (f"_Means over seeds {', '.join(map(str, cfg['seeds']))} (± the spread over seeds), {cfg['steps']} steps "

@@ -78,6 +78,22 @@ def test_readme_tables_are_generated_from_the_committed_data():
     assert readme_tables.render(text) == text, "run python benchmarks/readme_tables.py"
 
 
+def test_a_changed_result_changes_the_readme_table(tmp_path):
+    """The check above can fail: the same README rendered from data with one figure changed differs there."""
+    import json
+    import shutil
+    for source in readme_tables.SOURCES.values():
+        os.makedirs(tmp_path / os.path.dirname(source), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, source), tmp_path / source)
+    study = tmp_path / readme_tables.SOURCES["study"]
+    record = json.loads(study.read_text())
+    record["rows"][0]["final_reward"] = 0.123456
+    study.write_text(json.dumps(record))
+    text = _readme()
+    changed = readme_tables.render(text, root=str(tmp_path))
+    assert changed != text and "| 0.123 ± " in changed
+
+
 def test_readme_test_command_is_the_one_ci_runs():
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = f.read()
