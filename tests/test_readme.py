@@ -14,8 +14,10 @@ import readme_tables  # noqa: E402
 
 MAX_PROSE_WORDS = 2500
 MAX_PARAGRAPH_WORDS = 150
-# a block that calls <key> claims to print <value> (the comments and text around it say so)
+# a block that calls <key> claims to print <value> (the comments and text around it say so); a claim of equal bits
+# makes its block's case a `bitwise` test, named after the call (tests/isa.py LEG_REPEATS names it)
 CLAIMS = {"ja.mismatch_metrics": "k3: 0.0\n", "ja.compare": "k3 "}
+BITWISE_CLAIMS = ("ja.mismatch_metrics",)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
 HTML_COMMENT = re.compile(r"<!--.*?-->", re.S)
 
@@ -106,7 +108,18 @@ def test_readme_has_python_blocks():
     assert len(python_blocks(_readme())) >= 2
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks(_readme()))))
+def _block_cases() -> list:
+    """One case per python block, named after the first call it makes a claim about (else its position)."""
+    cases = []
+    for index, code in enumerate(python_blocks(_readme())):
+        claims = [key for key in CLAIMS if key in code]
+        name = claims[0].split(".")[-1] if claims else f"block{index}"
+        marks = [pytest.mark.bitwise] if any(key in code for key in BITWISE_CLAIMS) else []
+        cases.append(pytest.param(index, id=name, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("index", _block_cases())
 def test_readme_python_block_runs_as_written(index, tmp_path, monkeypatch, capsys):
     """Each block in a fresh namespace, in an empty working directory, as a user would paste it."""
     monkeypatch.chdir(tmp_path)
