@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts: the machine record, thread pinning, timing, side processes, JSON.
 
-Fairness rules every script follows (README, "Performance"):
+Fairness rules every script follows (docs/performance.md):
 - both sides run on the same CPU set, with their thread counts pinned and printed (`pin_threads`);
 - each side that is compared with another library runs in its own process (`Side`), so its peak memory is
   its own; the parent asks the sides for one timed repetition at a time, in rotating order, so a burst of load

@@ -7,7 +7,7 @@ For each policy and layer count, the jitted gradient of the summed token logprob
 off), and the fusions of the compiled module counted; each row also has the compile's process CPU seconds (XLA
 compiles on several threads), the median of 5 runs of the compiled gradient and `bits`, a hash of what it
 computes, so a compiler setting shows what it costs at run time and whether the numbers changed with it. The
-suite's time is mostly this compile (README, Set-up).
+suite's time is mostly this compile (docs/testing.md).
 Writes benchmarks/results/compile_cost.json (`--out` elsewhere), with the XLA_FLAGS it ran under: e.g.
 `XLA_FLAGS=--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE python benchmarks/compile_cost.py --out ...` measures
 a compiler setting.

@@ -15,7 +15,7 @@ Steps (each writes DIR/<step>.json; its exit code, time and output tail go to DI
 6. `decode` -- benchmarks/decode.py: the engine vs transformers' generate, a small batch list.
 A step's non-zero exit (e.g. `check` finding a gap: exit 1) is recorded, not fatal; a step past its timeout is
 killed and recorded as such. `jaxalign check` runs with `--xla_gpu_deterministic_ops=true` added to XLA_FLAGS
-(README, "Running on GPU/TPU"). `--quick`: tiny sizes, for proving the script end to end on a CPU.
+(docs/accelerators.md). `--quick`: tiny sizes, for proving the script end to end on a CPU.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The trainer-engine gap without training: misaligned, misaligned + R3 replay, aligned, on the `small` model,
-at engine batch 1 and 8 and with continuous batching. Prints the README's table and writes JSON.
+at engine batch 1 and 8 and with continuous batching. Prints the table of docs/gap.md and writes the JSON the
+README's gap table is generated from (benchmarks/readme_tables.py).
 
     python benchmarks/gap_table.py [--prompts 32] [--new-tokens 48]
 """

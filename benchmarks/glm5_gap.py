@@ -1,7 +1,7 @@
 """The GLM-5 (tiny-glm5) trainer-engine gap: k3 and DSA index flips for an expanded-MLA trainer against an
 absorbed-MLA engine and for train-bf16 against serve-bf16, with and without index replay, R3 (expert ids) and
 R3w (expert ids and the engine's combine weights), plus the KV cache bytes of the latent cache against per-head
-K/V. Prints the README's table and writes JSON.
+K/V. Prints docs/families.md's table and writes JSON.
 
 The engine generates (temperature 1) and records its own DSA index selections, experts and combine weights in the
 Rollout; the trainer scores the tokens teacher-forced, replaying what the replay mode names

@@ -1,6 +1,6 @@
 """How close `hf.emulation_policy(family, path)` lands to transformers' bf16 forward, per family: k3 of the
 emulation against each of transformers' two expert paths (eager, grouped_mm), the gap between those paths, and
-their ratio -- the figures behind `EMULATION_FACTOR_BY_CAPABILITY` in tests/test_hf_interop.py and the README's
+their ratio -- the figures behind `EMULATION_FACTOR_BY_CAPABILITY` in tests/test_hf_interop.py and docs/families.md's
 table. The models, tokens and replay are the test's (each side replays the experts, and for GLM-5 the indexer
 keys, that its transformers path picked). Needs the `hf` extra. Prints a table and writes JSON.
 

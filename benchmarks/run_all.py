@@ -1,5 +1,5 @@
 """Regenerate every benchmark: run each script (writing benchmarks/results/*.json), then rewrite every benchmark
-table in README.md and docs/ from those JSON files.
+table in docs/ from those JSON files, and README.md's results tables (benchmarks/readme_tables.py).
 
     python benchmarks/run_all.py [--only decode,train_step] [--render-only]
 
@@ -100,12 +100,17 @@ def _mesh_forward(record: dict) -> str:
     return _markdown(record["forward_rows"], FORWARD_COLUMNS)
 
 
+def _suite_time(record: dict) -> str:
+    return "\n".join([_code(record["tables"]["suite_time"]), "", "The test files that take the most worker-seconds:",
+                      "", _code("\n".join(record["tables"]["files"].splitlines()[:12]))])
+
+
 # marker name -> (result file, renderer)
 BLOCKS = {"alignment_cost": ("alignment_cost", _alignment_cost), "decode": ("decode", _decode),
           "train_step": ("train_step", _train_step), "op_profile": ("op_profile", _op_profile),
-          "gap_table": ("gap_table", _gap_table),
+          "gap_table": ("gap_table", _gap_table), "suite_time": ("suite_time", _suite_time),
           "mesh_compare": ("mesh_gap", _mesh_compare), "mesh_forward": ("mesh_gap", _mesh_forward)}
-DOCUMENTS = ["README.md", "docs/scaling.md", "docs/policies.md"]
+DOCUMENTS = ["docs/performance.md", "docs/gap.md", "docs/testing.md", "docs/scaling.md", "docs/policies.md"]
 
 
 def render(documents=DOCUMENTS) -> list[str]:
@@ -165,6 +170,8 @@ def main(argv=None) -> int:
         if failed:
             print(f"FAILED: {', '.join(failed)} (their JSON and tables are unchanged)", flush=True)
     print("rewrote tables:", ", ".join(render()))
+    import readme_tables
+    readme_tables.main([])
     return 1 if failed else 0
 
 

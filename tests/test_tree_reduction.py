@@ -1,5 +1,5 @@
 """The halving tree's own gradient and the sorted dispatch's tile layout: the forms that keep the aligned
-programs' kernels few (README, Set-up) give exactly the numbers of the forms they replaced. And the tree policies'
+programs' kernels few (docs/testing.md) give exactly the numbers of the forms they replaced. And the tree policies'
 normalisations (`reduce.divide_by`) round the same way in every program."""
 
 import jax

@@ -1,0 +1,168 @@
+"""The README's three results tables, generated from committed data so that the README cannot drift from it:
+
+- `gap`: the trainer-engine gap without training (benchmarks/results/gap_table.json, `python benchmarks/gap_table.py`);
+- `demo`: `jaxalign demo`'s summary (benchmarks/results/demo.json, recorded from a demo run with `--demo DIR`);
+- `study`: the three-seed gap study (docs/study.json, `jaxalign experiment countdown --study gap`).
+
+    python benchmarks/readme_tables.py                  # rewrite the tables in README.md
+    python benchmarks/readme_tables.py --check          # exit 1 when README.md's tables differ from the data
+    python benchmarks/readme_tables.py --demo runs/demo # first record that demo run as benchmarks/results/demo.json
+
+A table lives between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; everything between the two markers is
+rewritten (the table and a line naming the file it comes from), nothing outside. tests/test_readme.py checks that
+README.md's tables are what this script writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+README = os.path.join(ROOT, "README.md")
+SOURCES = {"gap": "benchmarks/results/gap_table.json", "demo": "benchmarks/results/demo.json",
+           "study": "docs/study.json"}
+MARKER = re.compile(r"<!-- table:(\w+) -->\n.*?<!-- /table:\1 -->", re.S)
+
+
+def _fmt(value) -> str:
+    """Numbers as the README shows them: 0 as 0, small or large magnitudes in scientific form, else 3 decimals."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if value == 0:
+        return "0"
+    return f"{value:.1e}" if abs(value) < 1e-2 or abs(value) >= 1e4 else f"{value:.3f}"
+
+
+def _pct(value) -> str:
+    """A fraction as a percentage: whole percents from 10%, else two significant digits (0 stays 0)."""
+    pct = 100 * value
+    if pct == 0:
+        return "0"
+    return f"{pct:.0f}%" if pct >= 10 else f"{pct:.1f}%" if pct >= 1 else f"{pct:.2g}%"
+
+
+def _reward(value) -> str:
+    """A reward (in [0, 1]) or its spread, to 3 decimals."""
+    return f"{value:.3f}"
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _machine(record: dict) -> str:
+    m = record.get("machine") or {}
+    host = record.get("host") or {}
+    cpu = m.get("cpu_model") or host.get("cpu")
+    cores = f", {m['cpu_count']} cores" if m.get("cpu_count") else ""
+    isa = f", XLA:CPU targeting {host['isa']}" if host.get("isa") else ""
+    return f"{cpu}{cores}{isa}" if cpu else "host not recorded"
+
+
+def gap_table(record: dict) -> str:
+    """One row per (arm, schedule, engine batch) of `compare` on the `small` model."""
+    header = ["pair", "schedule", "engine batch", "k3", "max abs logp diff", "bitwise equal tokens",
+              "router decisions flipped"]
+    rows = [[r["arm"], r["schedule"], str(r["engine_batch"]), _fmt(r["k3_kl"]), _fmt(r["max_abs_logp_diff"]),
+             _pct(r["bitwise_equal_fraction"]), _pct(r["route_flip_rate"])] for r in record["rows"]]
+    args = record.get("args", {})
+    note = (f"_`{args.get('model', '?')}` model, {args.get('prompts', '?')} prompts x {args.get('new_tokens', '?')} "
+            f"new tokens, temperature 1; from `{SOURCES['gap']}` ({_machine(record)})._")
+    return _markdown(header, rows) + "\n\n" + note
+
+
+def demo_table(record: dict) -> str:
+    """One row per arm of the demo: held-out reward before and after RL, and what the gap did on the way."""
+    header = ["arm", "trainer / engine", "held-out reward: start -> end", "k3 (mean)", "max abs logp diff",
+              "tokens rejected", "router decisions flipped", "steps with KL != 0"]
+    rows = []
+    for arm, v in record["arms"].items():
+        rows.append([arm, f"{v['policies']['trainer']} / {v['policies']['engine']}", f"{_reward(v['warm_start_reward'])} -> {_reward(v['final_reward'])}",
+                     _fmt(v["mean_k3"]), _fmt(v["max_abs_logp_diff"]), _pct(v["rejected_fraction"]),
+                     _pct(v["route_flip_rate"]), f"{int(v['steps_with_nonzero_kl'])} of {record['config']['steps']}"])
+    cfg = record["config"]
+    note = (f"_{cfg['steps']} GRPO steps of {cfg['prompts_per_step']} problems x {cfg['group_size']} samples, seed "
+            f"{', '.join(map(str, cfg['seeds']))}, held-out reward on {cfg['eval_problems']} problems; from "
+            f"`{SOURCES['demo']}` ({_machine(record)})._")
+    return _markdown(header, rows) + "\n\n" + note
+
+
+def study_table(record: dict) -> str:
+    """One row per arm of the gap study: the measured gap against final reward, collapses and rejections."""
+    header = ["arm", "gap (k3)", "final reward", "peak reward", "collapsed seeds", "tokens rejected",
+              "gradient norm", "router decisions flipped"]
+    rows = [[r["arm"], _fmt(r["gap_k3"]), f"{_reward(r['final_reward'])} ± {_reward(r['final_reward_std'])}",
+             _reward(r["peak_reward"]), r["collapsed_seeds"], _pct(r["rejected_fraction"]), _fmt(r["mean_grad_norm"]),
+             _pct(r["route_flip_rate"])] for r in record["rows"]]
+    cfg = record["config"]
+    note = (f"_Means over seeds {', '.join(map(str, cfg['seeds']))} (± the spread over seeds), {cfg['steps']} steps "
+            f"each; from `{SOURCES['study']}`._")
+    return _markdown(header, rows) + "\n\n" + note
+
+
+RENDERERS = {"gap": gap_table, "demo": demo_table, "study": study_table}
+
+
+def load(name: str, root: str = ROOT) -> dict:
+    """The committed data behind table `name`."""
+    with open(os.path.join(root, SOURCES[name])) as f:
+        return json.load(f)
+
+
+def render(text: str, root: str = ROOT) -> str:
+    """`text` with every marked table rewritten from the committed data under `root`."""
+    def replace(match):
+        name = match.group(1)
+        if name not in RENDERERS:
+            raise ValueError(f"unknown README table {name!r}; known: {', '.join(RENDERERS)}")
+        return f"<!-- table:{name} -->\n{RENDERERS[name](load(name, root))}\n<!-- /table:{name} -->"
+    return MARKER.sub(replace, text)
+
+
+def record_demo(run_dir: str, out: str = os.path.join(ROOT, SOURCES["demo"])) -> None:
+    """Write a demo run's summary (run_dir/summary.json) and the host it ran on (run_dir/run.json) to `out`."""
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(run_dir, "run.json")) as f:
+        run = json.load(f)
+    record = {"command": "jaxalign demo", "host": run["host"],
+              **{k: summary[k] for k in ("config", "arms", "seconds") if k in summary}}
+    with open(out, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 when README.md differs")
+    parser.add_argument("--demo", metavar="RUN_DIR", help="first record this demo run as " + SOURCES["demo"])
+    args = parser.parse_args(argv)
+    if args.demo:
+        record_demo(args.demo)
+    with open(README) as f:
+        text = f.read()
+    new = render(text)
+    if args.check:
+        if new != text:
+            print("README.md's tables differ from the committed data; run python benchmarks/readme_tables.py")
+            return 1
+        return 0
+    if new != text:
+        with open(README, "w") as f:
+            f.write(new)
+    print("README.md tables:", ", ".join(MARKER.findall(new)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
