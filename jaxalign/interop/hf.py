@@ -20,6 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxalign.model import kinds
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.transformer import Transformer
 
@@ -271,25 +272,14 @@ def _mlp(t: _Tensors, prefix: str, d: int, hidden: int) -> dict:
             "down": {"w": t.take(prefix + "down_proj.weight", (d, hidden)).T}}
 
 
-def _linear(t: _Tensors, name: str, d_in: int, d_out: int, bias: bool) -> dict:
-    out = {"w": t.take(name + ".weight", (d_out, d_in)).T}
-    if bias:
-        out["b"] = t.take(name + ".bias", (d_out,))
-    return out
-
-
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     """Map transformers tensor names to jaxalign's parameter tree; every tensor must be used."""
     t = _Tensors(tensors)
-    d, hd = cfg.d_model, cfg.head_dim
-    q_dim, kv_dim = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    d = cfg.d_model
     blocks = {}
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        if cfg.attention_kind == "mla":
-            attn = _mla_params(t, p + "self_attn.", cfg)
-        else:
-            attn = _gqa_params(t, p, cfg, q_dim, kv_dim)
+        attn = kinds.kind_of(cfg, i).hf_params(cfg, t.take, p)
         block = {"attn": attn, "attn_norm": {"scale": t.take(p + "input_layernorm.weight", (d,))},
                  "mlp_norm": {"scale": t.take(p + "post_attention_layernorm.weight", (d,))}}
         if i in cfg.moe_layers:
@@ -320,65 +310,6 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     return params
 
 
-# transformers' MLA parameter names -> jaxalign's (model/mla.py)
-_MLA_NAMES = (("q_proj", "q_proj"), ("q_a_proj", "q_a_proj"), ("q_b_proj", "q_b_proj"),
-              ("kv_a_proj_with_mqa", "kv_a_proj"), ("kv_b_proj", "kv_b_proj"), ("o_proj", "o_proj"))
-_MLA_NORMS = (("q_a_layernorm", "q_a_norm"), ("kv_a_layernorm", "kv_a_norm"))
-
-
-def _mla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    h, qk = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    shapes = {"kv_a_proj": (cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
-              "kv_b_proj": (cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
-              "o_proj": (h * cfg.v_head_dim, cfg.d_model)}
-    if cfg.q_lora_rank is None:
-        shapes["q_proj"] = (cfg.d_model, h * qk)
-    else:
-        shapes.update(q_a_proj=(cfg.d_model, cfg.q_lora_rank), q_b_proj=(cfg.q_lora_rank, h * qk))
-    return shapes
-
-
-def _mla_params(t: _Tensors, prefix: str, cfg: ModelConfig) -> dict:
-    shapes = _mla_shapes(cfg)
-    attn = {ours: _linear(t, prefix + theirs, *shapes[ours], False) for theirs, ours in _MLA_NAMES if ours in shapes}
-    for theirs, ours in _MLA_NORMS:
-        if ours != "q_a_norm" or cfg.q_lora_rank is not None:
-            dim = cfg.kv_lora_rank if ours == "kv_a_norm" else cfg.q_lora_rank
-            attn[ours] = {"scale": t.take(prefix + theirs + ".weight", (dim,))}
-    if cfg.index_topk:
-        h, d, ix = cfg.index_n_heads, cfg.index_head_dim, prefix + "indexer."
-        attn["indexer"] = {"wq_b": _linear(t, ix + "wq_b", cfg.q_lora_rank, h * d, False),
-                           "wk": _linear(t, ix + "wk", cfg.d_model, d, False),
-                           "k_norm_scale": t.take(ix + "k_norm.weight", (d,)),
-                           "k_norm_bias": t.take(ix + "k_norm.bias", (d,)),
-                           "weights_proj": _linear(t, ix + "weights_proj", cfg.d_model, h, False)}
-    return attn
-
-
-def _mla_to_hf(attn: dict, prefix: str) -> dict[str, np.ndarray]:
-    out = {f"{prefix}{theirs}.weight": attn[ours]["w"].T for theirs, ours in _MLA_NAMES if attn.get(ours)}
-    out.update({f"{prefix}{theirs}.weight": attn[ours]["scale"] for theirs, ours in _MLA_NORMS if attn.get(ours)})
-    if attn.get("indexer"):
-        ix, pre = attn["indexer"], prefix + "indexer."
-        out.update({pre + "wq_b.weight": ix["wq_b"]["w"].T, pre + "wk.weight": ix["wk"]["w"].T,
-                    pre + "k_norm.weight": ix["k_norm_scale"], pre + "k_norm.bias": ix["k_norm_bias"],
-                    pre + "weights_proj.weight": ix["weights_proj"]["w"].T})
-    return out
-
-
-def _gqa_params(t: _Tensors, p: str, cfg: ModelConfig, q_dim: int, kv_dim: int) -> dict:
-    d, hd = cfg.d_model, cfg.head_dim
-    attn = {"q_proj": _linear(t, p + "self_attn.q_proj", d, q_dim, cfg.qkv_bias),
-            "k_proj": _linear(t, p + "self_attn.k_proj", d, kv_dim, cfg.qkv_bias),
-            "v_proj": _linear(t, p + "self_attn.v_proj", d, kv_dim, cfg.qkv_bias),
-            "o_proj": _linear(t, p + "self_attn.o_proj", q_dim, d, False)}
-    if cfg.qk_norm != "none":
-        dims = (hd, hd) if cfg.qk_norm == "head" else (q_dim, kv_dim)
-        attn["q_norm"] = {"scale": t.take(p + "self_attn.q_norm.weight", (dims[0],))}
-        attn["k_norm"] = {"scale": t.take(p + "self_attn.k_norm.weight", (dims[1],))}
-    return attn
-
-
 def load(path: str) -> Transformer:
     """A jaxalign Transformer (f32 masters) from a transformers checkpoint directory; `.config` is its
     ModelConfig."""
@@ -405,15 +336,7 @@ def tensors_to_hf(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
     family = "qwen3_moe" if cfg.family == "jaxalign" else cfg.family
     for i in range(cfg.n_layers):
         b, pre = p["blocks"][i], f"model.layers.{i}."
-        if cfg.attention_kind == "mla":
-            out.update(_mla_to_hf(b["attn"], pre + "self_attn."))
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj") if cfg.attention_kind == "gqa" else ():
-            out[f"{pre}self_attn.{name}.weight"] = b["attn"][name]["w"].T
-            if "b" in b["attn"][name]:
-                out[f"{pre}self_attn.{name}.bias"] = b["attn"][name]["b"]
-        if cfg.qk_norm != "none":
-            out[pre + "self_attn.q_norm.weight"] = b["attn"]["q_norm"]["scale"]
-            out[pre + "self_attn.k_norm.weight"] = b["attn"]["k_norm"]["scale"]
+        out.update(kinds.kind_of(cfg, i).hf_tensors(cfg, b["attn"], pre))
         out[pre + "input_layernorm.weight"] = b["attn_norm"]["scale"]
         out[pre + "post_attention_layernorm.weight"] = b["mlp_norm"]["scale"]
         m = b["mlp"]
