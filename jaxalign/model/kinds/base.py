@@ -76,6 +76,16 @@ class LayerKind:
         shapes = jax.eval_shape(lambda: self.init_state(cfg, batch, cache_len, policy))
         return int(sum(np.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
 
+    # --- transformers config ---------------------------------------------------------------------------------------
+    def config_from_hf(self, hf: dict, common: dict) -> dict:
+        """The ModelConfig fields this kind reads from a transformers config.json dict (`common`: the fields the
+        family read already); a feature the kind does not implement is refused by name (ValueError)."""
+        return {}
+
+    def config_to_hf(self, cfg) -> dict:
+        """The config.json fields of this kind for `cfg` (inverse of `config_from_hf`)."""
+        return {}
+
     # --- training, interop, checks ------------------------------------------------------------------------------
     def lora_targets(self, cfg) -> tuple[str, ...]:
         """Names of the mixer's Linear layers `add_lora` adapts by default."""
