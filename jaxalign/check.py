@@ -177,7 +177,11 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
     passed = (all(a["passed"] for a in audits.values()) and all(p["status"] != "FAIL" for p in probes)
               and all(g["status"] == "pass" for g in gaps))
     return {"environment": environment(),
-            "model": {"family": cfg.family, "config_fingerprint": cfg.fingerprint()},
+            "model": {"family": cfg.family, "config_fingerprint": cfg.fingerprint(),
+                      "layer_kinds": list(cfg.layer_kinds),
+                      # the form each side's policy selects for each kind (e.g. MLA expanded / absorbed)
+                      "forms": {side: {kind.name: kind.form(policy) for kind in kinds.kinds_of(cfg)}
+                                for side, policy in (("trainer", trainer), ("engine", engine))}},
             "trainer": str(trainer), "engine": str(engine), "claims_alignment": aligned,
             "replay": replay,
             "thresholds": {"gap": "bitwise" if aligned else
@@ -212,7 +216,10 @@ def format_report(result: dict) -> str:
     lines = [f"backend {env['backend']} ({env['device_count']} x {env['device_kind']}), jax {env['jax']}, "
              f"jaxlib {env['jaxlib']}, CPU ISA {env['cpu_isa']}",
              f"XLA_FLAGS: {env['xla_flags'] or '(none)'}",
-             f"model {result['model']['family']} ({result['model']['config_fingerprint']})",
+             f"model {result['model']['family']} ({result['model']['config_fingerprint']}), layer kinds "
+             + ", ".join(f"{k} (trainer {result['model']['forms']['trainer'][k]}, engine "
+                         f"{result['model']['forms']['engine'][k]})"
+                         for k in dict.fromkeys(result['model']['layer_kinds'])),
              f"trainer: {result['trainer']}", f"engine:  {result['engine']}",
              f"claims alignment: {result['claims_alignment']} (gap threshold: {result['thresholds']['gap']})", "",
              "precision audit (products whose precision or accumulation is left to the backend):"]

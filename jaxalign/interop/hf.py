@@ -121,10 +121,11 @@ def _mlp(t: _Tensors, prefix: str, d: int, hidden: int) -> dict:
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     """Map transformers tensor names to jaxalign's parameter tree; every tensor must be used."""
     t = _Tensors(tensors)
-    d = cfg.d_model
+    d, family = cfg.d_model, _family_of(cfg)
+    top = family.tensor_prefix
     blocks = {}
     for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
+        p = f"{top}layers.{i}."
         attn = kinds.kind_of(cfg, i).hf_params(cfg, t.take, p)  # the mixer's names: its layer kind's
         block = {"attn": attn, "attn_norm": {"scale": t.take(p + "input_layernorm.weight", (d,))},
                  "mlp_norm": {"scale": t.take(p + "post_attention_layernorm.weight", (d,))}}
@@ -144,12 +145,12 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
         else:
             block["mlp"] = _mlp(t, p + "mlp.", d, cfg.dense_mlp_dim)
         blocks[i] = block
-    params = {"embed": {"table": t.take("model.embed_tokens.weight", (cfg.vocab_size, d))}, "blocks": blocks,
-              "final_norm": {"scale": t.take("model.norm.weight", (d,))}}
+    params = {"embed": {"table": t.take(top + "embed_tokens.weight", (cfg.vocab_size, d))}, "blocks": blocks,
+              "final_norm": {"scale": t.take(top + "norm.weight", (d,))}}
     if not cfg.tie_embeddings:
         params["lm_head"] = {"w": t.take("lm_head.weight", (cfg.vocab_size, d)).T}
     unused = sorted(set(tensors) - t.used - {"lm_head.weight"})
-    unused = [u for u in unused if "rotary_emb" not in u]
+    unused = [u for u in unused if "rotary_emb" not in u and not family.ignores(u)]
     if unused:
         raise ValueError(f"checkpoint has tensors this {cfg.family} mapping does not expect: {unused[:8]}"
                          f"{' ...' if len(unused) > 8 else ''}")
@@ -176,12 +177,13 @@ def tensors_to_hf(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
     """transformers tensor names (per-expert layout) -> arrays, for `model`'s parameters."""
     cfg = model.config
     p = jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    out = {"model.embed_tokens.weight": p["embed"]["table"], "model.norm.weight": p["final_norm"]["scale"]}
+    family = _family_of(cfg)
+    top = family.tensor_prefix
+    out = {top + "embed_tokens.weight": p["embed"]["table"], top + "norm.weight": p["final_norm"]["scale"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = p["lm_head"]["w"].T
-    family = _family_of(cfg)
     for i in range(cfg.n_layers):
-        b, pre = p["blocks"][i], f"model.layers.{i}."
+        b, pre = p["blocks"][i], f"{top}layers.{i}."
         out.update(kinds.kind_of(cfg, i).hf_tensors(cfg, b["attn"], pre))
         out[pre + "input_layernorm.weight"] = b["attn_norm"]["scale"]
         out[pre + "post_attention_layernorm.weight"] = b["mlp_norm"]["scale"]

@@ -46,8 +46,16 @@ class Family:
     # them (reading detects either layout: `block_sparse_moe.` or `mlp.`, w1/w3/w2 or *_proj, or fused experts)
     moe_prefix: str = "mlp."
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # where the decoder's tensors live: `{tensor_prefix}embed_tokens.weight`, `{tensor_prefix}layers.{i}.`,
+    # `{tensor_prefix}norm.weight` (a multimodal checkpoint's text tower: e.g. "model.language_model.")
+    tensor_prefix: str = "model."
     # NumericPolicy overrides (on hf-eager-bf16 / hf-grouped-bf16) that emulate its bf16 forward
     emulation: str = ""
+
+    def ignores(self, name: str) -> bool:
+        """Whether `load` may leave the checkpoint tensor `name` unused (e.g. a vision tower the text model does
+        not run; say so in `refuse` or the docs). By default every tensor must be used."""
+        return False
 
     # --- config.json -> ModelConfig ---------------------------------------------------------------------------
     def refuse(self, hf: dict) -> None:
