@@ -28,13 +28,11 @@ import jaxlib
 import numpy as np
 
 from jaxalign.align.audit import PROGRAMS, audit, lower_programs
+from jaxalign.model import kinds
+from jaxalign.model.kinds.base import random_rows
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy, kernels as kernel_choice
-from jaxalign.numerics.attention import attention
-from jaxalign.numerics.dtypes import as_compute, cast
-from jaxalign.numerics.indexer import index_scores, select_keys
 from jaxalign.numerics.matmul import matmul
-from jaxalign.numerics.mla import mla_attention
 from jaxalign.numerics.platforms import effective_isa
 from jaxalign.numerics.precision import check_backend
 from jaxalign.numerics.reduce import rms_norm, softmax
@@ -48,6 +46,9 @@ PROBE_BATCHES = (1, 2, 3, 8, 13, 32)
 ENGINE_BATCHES = (1, 8, 32)
 TRAINER_PROGRAMS = ("forward", "gradient")
 ENGINE_PROGRAMS = tuple(p for p in PROGRAMS if p.startswith("engine"))
+PROBE_Q_LEN, PROBE_K_LEN = 4, 12  # an attention probe's queries and the positions they see
+
+
 def environment() -> dict:
     """What was validated: backend, devices, versions, CPU instruction set, XLA flags."""
     devices = jax.devices()
@@ -67,87 +68,21 @@ def claims_alignment(trainer: NumericPolicy, engine: NumericPolicy) -> bool:
     return trainer == engine and batch_invariant(trainer)
 
 
-def _split_rows(x: jax.Array, shapes: tuple[tuple[int, ...], ...]) -> list[jax.Array]:
-    """Rows x [B, sum of sizes] cut into one [B, *shape] piece per shape (a probe row holds every operand)."""
-    sizes = [int(np.prod(shape)) for shape in shapes]
-    pieces = jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=1)
-    return [piece.reshape(x.shape[0], *shape) for piece, shape in zip(pieces, shapes)]
-
-
-def _latent_attention_kernels(cfg, policy: NumericPolicy, rng, q_len: int, k_len: int) -> dict[str, tuple]:
-    """MLA (and, with a DSA indexer, its scores and the sparse attention) as the model calls them: queries in the
-    compute dtype, the latent cache [B, 1, R + r, K] in the kv-cache dtype, kv_b_proj's f32 master shared by
-    every row, attention in the policy's `mla` form over the keys the indexer selected."""
-    h, nope, r, latent = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    w_kv_b = jnp.asarray(rng.normal(0, latent ** -0.5, (latent, h * (nope + cfg.v_head_dim))), jnp.float32)
-    q_pos = jnp.arange(k_len - q_len, k_len)[None]
-    k_pos = jnp.arange(k_len)[None]
-    attn_shapes = ((q_len, h, nope + r), (1, latent + r, k_len))
-    index_shapes = ((q_len, cfg.index_n_heads, cfg.index_head_dim), (k_len, cfg.index_head_dim),
-                    (q_len, cfg.index_n_heads))
-
-    def scores_of(index_q, index_k, weights, b):
-        return index_scores(as_compute(index_q, policy), cast(index_k, policy.kv_cache_dtype), weights,
-                            jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy)
-
-    def attn(x):
-        b = x.shape[0]
-        q, cache, *index = _split_rows(x, attn_shapes + (index_shapes if cfg.index_topk else ()))
-        allowed = None
-        if cfg.index_topk:
-            allowed = select_keys(scores_of(*index, b), jnp.repeat(k_pos, b, 0), cfg.index_topk)[1]
-        return mla_attention(as_compute(q, policy), cast(cache, policy.kv_cache_dtype), w_kv_b,
-                             jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy, nope_dim=nope,
-                             v_dim=cfg.v_head_dim, allowed=allowed)
-
-    def width(shapes):
-        return sum(int(np.prod(shape)) for shape in shapes)
-
-    def rows(n):
-        return lambda b, seed: jnp.asarray(np.random.default_rng(seed).normal(0, 1, (b, n)), jnp.float32)
-
-    found = {"mla_attention": (rows(width(attn_shapes) + (width(index_shapes) if cfg.index_topk else 0)), attn)}
-    if cfg.index_topk:
-        def scores(x):
-            s = scores_of(*_split_rows(x, index_shapes), x.shape[0])
-            return jnp.where(jnp.isfinite(s), s, 0.0)  # invisible keys (-inf) compare as 0
-        found["index_scores"] = (rows(width(index_shapes)), scores)
-    return found
-
-
 def _kernels(cfg, policy: NumericPolicy) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (make a batch of `b` random rows, the kernel on that batch) at the model's sizes. An MLA model's
-    attention probe is `mla_attention` (with a DSA indexer also `index_scores`, and the attention over the keys
-    it selects) instead of the GQA `attention`."""
+    """name -> (make a batch of `b` random rows, the kernel on that batch) at the model's sizes: matmul, RMSNorm
+    and softmax, then each layer kind's own probes (`LayerKind.probes`: `attention` for GQA, `mla_attention`
+    for MLA, and for DSA also `index_scores` with the attention over the keys it selects)."""
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(0, cfg.d_model ** -0.5, (cfg.d_model, cfg.vocab_size)), jnp.float32)
     scale = jnp.asarray(rng.normal(1, 0.1, cfg.d_model), jnp.float32)
-    q_len, k_len = 4, 12
-    q_pos = jnp.arange(k_len - q_len, k_len)[None]
-    k_pos = jnp.arange(k_len)[None]
-
-    def rows(*shape):
-        return lambda b, seed: jnp.asarray(np.random.default_rng(seed).normal(0, 1, (b, *shape)), jnp.float32)
-
-    def attn(x):
-        b = x.shape[0]
-        q, k, v = jnp.split(x, [q_len * cfg.n_heads * cfg.head_dim,
-                                (q_len * cfg.n_heads + cfg.n_kv_heads * k_len) * cfg.head_dim], axis=1)
-        # as the model calls it: queries in the compute dtype, keys and values as the KV cache stores them
-        return attention(as_compute(q.reshape(b, q_len, cfg.n_heads, cfg.head_dim), policy),
-                         cast(k.reshape(b, cfg.n_kv_heads, cfg.head_dim, k_len), policy.kv_cache_dtype),
-                         cast(v.reshape(b, cfg.n_kv_heads, k_len, cfg.head_dim), policy.kv_cache_dtype),
-                         jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy)
-
-    attn_width = (q_len * cfg.n_heads + 2 * cfg.n_kv_heads * k_len) * cfg.head_dim
     found = {
-        "matmul": (rows(cfg.d_model), lambda x: matmul(x, w, policy)),
-        "rms_norm": (rows(cfg.d_model), lambda x: rms_norm(x, scale, policy, cfg.rms_eps)),
-        "softmax": (rows(cfg.vocab_size), lambda x: softmax(x, policy, policy.attn_softmax_dtype)),
+        "matmul": (random_rows(cfg.d_model), lambda x: matmul(x, w, policy)),
+        "rms_norm": (random_rows(cfg.d_model), lambda x: rms_norm(x, scale, policy, cfg.rms_eps)),
+        "softmax": (random_rows(cfg.vocab_size), lambda x: softmax(x, policy, policy.attn_softmax_dtype)),
     }
-    if cfg.attention_kind == "mla":
-        return found | _latent_attention_kernels(cfg, policy, rng, q_len, k_len)
-    return found | {"attention": (rows(attn_width), attn)}
+    for kind in kinds.kinds_of(cfg):
+        found |= kind.probes(cfg, policy, rng, q_len=PROBE_Q_LEN, k_len=PROBE_K_LEN)
+    return found
 
 
 def probe(cfg, policy: NumericPolicy, kernel: str, batches=PROBE_BATCHES) -> dict:
@@ -243,7 +178,11 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
     passed = (all(a["passed"] for a in audits.values()) and all(p["status"] != "FAIL" for p in probes)
               and all(g["status"] == "pass" for g in gaps))
     return {"environment": environment(),
-            "model": {"family": cfg.family, "config_fingerprint": cfg.fingerprint()},
+            "model": {"family": cfg.family, "config_fingerprint": cfg.fingerprint(),
+                      "layer_kinds": list(cfg.layer_kinds),
+                      # the form each side's policy selects for each kind (e.g. MLA expanded / absorbed)
+                      "forms": {side: {kind.name: kind.form(policy) for kind in kinds.kinds_of(cfg)}
+                                for side, policy in (("trainer", trainer), ("engine", engine))}},
             "trainer": str(trainer), "engine": str(engine), "claims_alignment": aligned,
             "replay": replay,
             "thresholds": {"gap": "bitwise" if aligned else
@@ -278,7 +217,10 @@ def format_report(result: dict) -> str:
     lines = [f"backend {env['backend']} ({env['device_count']} x {env['device_kind']}), jax {env['jax']}, "
              f"jaxlib {env['jaxlib']}, CPU ISA {env['cpu_isa']}",
              f"XLA_FLAGS: {env['xla_flags'] or '(none)'}",
-             f"model {result['model']['family']} ({result['model']['config_fingerprint']})",
+             f"model {result['model']['family']} ({result['model']['config_fingerprint']}), layer kinds "
+             + ", ".join(f"{k} (trainer {result['model']['forms']['trainer'][k]}, engine "
+                         f"{result['model']['forms']['engine'][k]})"
+                         for k in dict.fromkeys(result['model']['layer_kinds'])),
              f"trainer: {result['trainer']}", f"engine:  {result['engine']}",
              f"claims alignment: {result['claims_alignment']} (gap threshold: {result['thresholds']['gap']})", "",
              "precision audit (products whose precision or accumulation is left to the backend):"]

@@ -83,6 +83,8 @@ def test_glm5_aligned_pair_passes_with_latent_attention_and_indexer_probes(capsy
     assert code == 0, out.out
     result = json.loads(out.out)
     assert result["model"]["family"] == "glm_moe_dsa" and result["passed"] and result["claims_alignment"]
+    assert result["model"]["layer_kinds"] == ["dsa"] * 3
+    assert result["model"]["forms"] == {"trainer": {"dsa": "expanded"}, "engine": {"dsa": "expanded"}}
     assert [p["kernel"] for p in result["probes"]] == ["matmul", "rms_norm", "softmax", "mla_attention",
                                                        "index_scores"]
     assert all(p["status"] == "pass" and p["bitwise_invariant"] for p in result["probes"])

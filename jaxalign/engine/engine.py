@@ -16,7 +16,7 @@ from jaxalign.engine import kernels
 from jaxalign.engine.rollout import Rollout
 from jaxalign.model.sharding import mesh_context, mesh_description, put_batch, shard_state, to_host
 from jaxalign.model.transformer import Transformer
-from jaxalign.numerics import NumericPolicy, cast_params, dtype
+from jaxalign.numerics import NumericPolicy, cast_params
 from jaxalign.numerics.sampling import SamplingParams
 
 SCHEDULES = ("static", "continuous")
@@ -185,14 +185,9 @@ class Engine:
                    "cache_len": cache_len, "kv_cache_bytes": self.kv_cache_bytes(slots, cache_len)})
 
     def kv_cache_bytes(self, batch: int, cache_len: int) -> int:
-        """Bytes of the KV cache for `batch` rows of `cache_len` slots under this policy (for an MLA model: the
-        latent and rope key of every slot)."""
-        cfg = self.config
-        itemsize = jnp.dtype(dtype(self.policy.kv_cache_dtype)).itemsize
-        if cfg.attention_kind == "mla":
-            from jaxalign.model.mla import latent_cache_bytes
-            return latent_cache_bytes(cfg, batch, cache_len, itemsize)
-        return 2 * cfg.n_layers * batch * cache_len * cfg.n_kv_heads * cfg.head_dim * itemsize
+        """Bytes of the engine state (every layer's, by its kind: per-head keys and values for GQA, the latent
+        and rope key for MLA) for `batch` rows of `cache_len` slots under this policy."""
+        return kernels.state_bytes(self.config, batch, cache_len, self.policy)
 
 
 def generate(model: Transformer, prompts, policy: NumericPolicy, *, max_new_tokens: int,

@@ -6,8 +6,12 @@ A program is specialised on what sets shapes or numerics (the policy, the batch,
 length, the sampling settings, the prefill chunk); the number of new tokens and the EOS id are traced operands
 (EOS -1 = none: no token id is negative), so runs that differ only in those share one compiled program.
 
-KV layout: a request's token at position p lives in cache slot p, whatever batch or slot it runs in, so a
-request's attention reduces over the same slots in prefill, decode and the trainer's full forward.
+Engine state: one opaque pytree per layer from its kind's `init_state` (`jaxalign.model.kinds`); the programs
+never look inside one. Every forward gets `valid` [B, S] (real tokens: prompt padding, finished rows and idle
+slots are False) so a recurrent kind leaves its state untouched there, and continuous batching calls each
+kind's `reset_state` for the slots it refills, before their first token. Attention caches: a request's token at
+position p lives in cache slot p, whatever batch or slot it runs in, so a request's attention reduces over the
+same slots in prefill, decode and the trainer's full forward.
 Sampling is keyed by (seed, request index, position), so a request gets the same draws wherever it runs.
 """
 
@@ -20,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxalign.model.attention import empty_kv_cache
+from jaxalign.model import kinds
 from jaxalign.model.routing import RoutingRecord
 from jaxalign.numerics import NumericPolicy, dtype
 from jaxalign.numerics.sampling import SamplingParams, reported_logprobs, sampling_logprobs
@@ -40,8 +44,22 @@ def _traced() -> None:
     _THIS_THREAD.traces = traces_in_this_thread() + 1
 
 
-def _empty_kv(cfg, batch: int, cache_len: int, policy: NumericPolicy):
-    return [empty_kv_cache(cfg, batch, cache_len, dtype(policy.kv_cache_dtype)) for _ in range(cfg.n_layers)]
+def _empty_kv(cfg, batch: int, cache_len: int, policy: NumericPolicy) -> list:
+    """Every layer's empty engine state (its kind's `init_state`) for `batch` rows of `cache_len` positions."""
+    return [kinds.kind_of(cfg, i).init_state(cfg, batch, cache_len, policy) for i in range(cfg.n_layers)]
+
+
+def _reset(cfg, states: list, rows: jax.Array) -> list:
+    """Every layer's state with the rows marked in `rows` [B] back to empty (its kind's `reset_state`); skipped
+    (a `lax.cond`) in steps that refill no slot."""
+    def reset(states):
+        return [kinds.kind_of(cfg, i).reset_state(cfg, s, rows) for i, s in enumerate(states)]
+    return jax.lax.cond(jnp.any(rows), reset, lambda states: states, states)
+
+
+def state_bytes(cfg, batch: int, cache_len: int, policy: NumericPolicy) -> int:
+    """Bytes of every layer's engine state for `batch` rows of `cache_len` positions."""
+    return sum(kinds.kind_of(cfg, i).state_bytes(cfg, batch, cache_len, policy) for i in range(cfg.n_layers))
 
 
 def _sample(logits, request_ids, positions, seed, policy, sampling: SamplingParams):
@@ -74,7 +92,8 @@ def _chunked_prefill(model, policy, prompts, lens, kv, routing, chunk: int):
         last, kv, routing = carry
         positions = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (b, size))
         tokens = jax.lax.dynamic_slice_in_dim(prompts, start, size, axis=1)
-        logits, record, kv = model.forward(tokens, policy, positions=positions, kv=kv)
+        logits, record, kv = model.forward(tokens, policy, positions=positions, kv=kv,
+                                           valid=positions < lens[:, None])
         routing = routing.written(record, rows[:, None], positions)
         offset = lens - 1 - start  # where each row's last prompt token falls in this chunk, if it does
         inside = (offset >= 0) & (offset < size)
@@ -110,7 +129,8 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, max_new, eos_i
     rows = jnp.arange(b)[:, None]
     if prefill_chunk is None or prefill_chunk >= p:
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        logits, record, kv = model.forward(prompts, policy, positions=positions, kv=kv)
+        logits, record, kv = model.forward(prompts, policy, positions=positions, kv=kv,
+                                           valid=positions < lens[:, None])
         routing = routing.written(record, rows, positions)
         last = logits[jnp.arange(b), lens - 1]
     else:
@@ -129,7 +149,8 @@ def run_static(graphdef, state, prompts, lens, request_ids, seed, max_new, eos_i
     def body(carry):
         step, out_tok, out_lp, n_gen, done, kv, routing = carry
         positions = (lens + step - 1)[:, None]
-        logits, record, kv = model.forward(out_tok[:, step - 1][:, None], policy, positions=positions, kv=kv)
+        logits, record, kv = model.forward(out_tok[:, step - 1][:, None], policy, positions=positions, kv=kv,
+                                           valid=~done[:, None])
         routing = routing.written(record, rows, positions)
         tok, lp = sample(logits[:, 0], request_ids, lens + step)
         active = ~done
@@ -178,7 +199,9 @@ def run_continuous(graphdef, state, prompts, lens, request_ids, seed, max_new, e
         req = jnp.maximum(slot_req, 0)
         target = jnp.where(active, req, r)[:, None]  # row r is out of range: writes dropped
         tokens = tok_buf[req, slot_pos][:, None]
-        logits, record, kv = model.forward(tokens, policy, positions=slot_pos[:, None], kv=kv)
+        kv = _reset(cfg, kv, active & (slot_pos == 0))  # a request's first token: its slot starts clean
+        logits, record, kv = model.forward(tokens, policy, positions=slot_pos[:, None], kv=kv,
+                                           valid=active[:, None])
         routing = routing.written(record, target, slot_pos[:, None])
         emitting = active & (slot_pos >= lens[req] - 1)
         tok, lp = _sample(logits[:, 0], request_ids[req], slot_pos + 1, seed, policy, sampling)

@@ -18,11 +18,7 @@ V_CACHE_AXES = ("cache_batch", "cache_kv_heads", "cache_seq", None)
 
 
 def empty_kv_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype):
-    """One layer's zeroed (keys, values) cache for `batch` rows of `cache_len` slots, in the layout above; for an
-    MLA model the latent cache (`model/mla.py`)."""
-    if cfg.attention_kind == "mla":
-        from jaxalign.model.mla import empty_latent_cache
-        return empty_latent_cache(cfg, batch, cache_len, dtype)
+    """One GQA layer's zeroed (keys, values) cache for `batch` rows of `cache_len` slots, in the layout above."""
     keys = jnp.zeros((batch, cfg.n_kv_heads, cfg.head_dim, cache_len), dtype)
     values = jnp.zeros((batch, cfg.n_kv_heads, cache_len, cfg.head_dim), dtype)
     return constrain(keys, K_CACHE_AXES), constrain(values, V_CACHE_AXES)
@@ -48,10 +44,12 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x: jax.Array, positions: jax.Array, policy: NumericPolicy,
-                 kv: tuple[jax.Array, jax.Array] | None = None):
-        """x [B, S, D], positions [B, S]. With `kv` = (k_cache [B, KVH, Dh, M], v_cache [B, KVH, M, Dh]) -- the
-        layouts a decode step's two products read without transposing the cache -- the new keys/values are written
-        at slot = position and attention reads the whole cache. Returns (out [B, S, D], new kv or None)."""
+                 kv: tuple[jax.Array, jax.Array] | None = None, *, valid=None, index_replay=None):
+        """x [B, S, D], positions [B, S] (the mixer call of `model/kinds/base.py`). With `kv` = (k_cache
+        [B, KVH, Dh, M], v_cache [B, KVH, M, Dh]) -- the layouts a decode step's two products read without
+        transposing the cache -- the new keys/values are written at slot = position and attention reads the whole
+        cache. `valid` is not needed: a pad's slot is masked for earlier queries and rewritten before a later one
+        reads it. Returns (out [B, S, D], new kv or None, None)."""
         cfg = self.cfg
         b, s, _ = x.shape
         q, k, v = self.q_proj(x, policy), self.k_proj(x, policy), self.v_proj(x, policy)
@@ -78,4 +76,4 @@ class Attention(nnx.Module):
             k_pos = jnp.broadcast_to(jnp.arange(values.shape[2]), (b, values.shape[2]))
             new_kv = (keys, values)
         out = attention(q, keys, values, positions, k_pos, policy)
-        return self.o_proj(out.reshape(b, s, -1), policy), new_kv
+        return self.o_proj(out.reshape(b, s, -1), policy), new_kv, None

@@ -11,11 +11,6 @@ from typing import Any
 ROUTERS = ("softmax_topk", "sigmoid_grouped")
 QK_NORMS = ("none", "head", "proj")
 ATTENTION_KINDS = ("gqa", "mla")
-# fields of multi-head latent attention; left out of `to_dict` for GQA models so their fingerprints stay as before
-_MLA_FIELDS = ("attention_kind", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-               "rope_interleave")
-# fields of the DeepSeek sparse attention indexer (GLM-5); left out of `to_dict` without an indexer
-_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +31,11 @@ class ModelConfig:
     DeepSeek sparse attention (GLM-5, `index_topk` > 0, MLA with a q bottleneck): an indexer per layer
     (`index_n_heads` heads of `index_head_dim`) scores every visible key and each query attends only to its
     `index_topk` best.
+
+    Layer kinds (`jaxalign.model.kinds`): `layer_types` names each layer's kind (`gqa`, `mla`, `dsa`, or any
+    registered kind); None (the default) runs the attention kind on every layer (`dsa` for an MLA model with an
+    indexer). `layer_kinds` is the resolved tuple. A kind validates the fields it owns; the fields of kinds no
+    layer runs are left out of `to_dict` (and the fingerprint).
     """
 
     family: str = "jaxalign"
@@ -75,6 +75,7 @@ class ModelConfig:
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dense_mlp_dim",
@@ -122,49 +123,37 @@ class ModelConfig:
         if self.rope_theta <= 0 or self.rms_eps <= 0:
             raise ValueError(f"ModelConfig.rope_theta = {self.rope_theta}, rms_eps = {self.rms_eps}; "
                              f"allowed: positive floats")
-        self._check_mla()
-        self._check_dsa()
+        self._check_layer_kinds()
 
-    def _check_dsa(self) -> None:
-        for name in _DSA_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"ModelConfig.{name} = {value!r}; allowed: an int >= 0")
-        if self.index_topk == 0:
-            return
-        if self.attention_kind != "mla" or self.q_lora_rank is None:
-            raise ValueError("ModelConfig.index_topk > 0 (DeepSeek sparse attention) needs attention_kind='mla' "
-                             "with a q_lora_rank (the indexer reads the q latent)")
-        if self.index_n_heads <= 0 or self.index_head_dim < self.qk_rope_head_dim or self.index_head_dim % 2:
-            raise ValueError(f"ModelConfig.index_n_heads = {self.index_n_heads}, index_head_dim = "
-                             f"{self.index_head_dim}; allowed: index_n_heads > 0 and an even index_head_dim >= "
-                             f"qk_rope_head_dim = {self.qk_rope_head_dim}")
-
-    def _check_mla(self) -> None:
+    def _check_layer_kinds(self) -> None:
+        from jaxalign.model import kinds
         if self.attention_kind not in ATTENTION_KINDS:
             raise ValueError(f"ModelConfig.attention_kind = {self.attention_kind!r}; allowed: "
                              f"{', '.join(ATTENTION_KINDS)}")
-        if self.attention_kind == "gqa":
-            return
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        for name in ("index_topk", "index_n_heads", "index_head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} = {value!r}; allowed under attention_kind='mla': a positive int")
-        q = self.q_lora_rank
-        if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q <= 0):
-            raise ValueError(f"ModelConfig.q_lora_rank = {q!r}; allowed: None (a plain q projection) or a positive int")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"ModelConfig.qk_rope_head_dim = {self.qk_rope_head_dim}; allowed: an even number")
-        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
-            raise ValueError(f"ModelConfig.head_dim = {self.head_dim}; under attention_kind='mla' it is the q.k head "
-                             f"dim, allowed: qk_nope_head_dim + qk_rope_head_dim = "
-                             f"{self.qk_nope_head_dim + self.qk_rope_head_dim}")
-        if self.n_kv_heads != self.n_heads:
-            raise ValueError(f"ModelConfig.n_kv_heads = {self.n_kv_heads}; under attention_kind='mla' every head "
-                             f"has its own keys, allowed: n_heads = {self.n_heads}")
-        if self.qk_norm != "none" or self.qkv_bias or self.partial_rotary_factor != 1.0:
-            raise ValueError("ModelConfig: attention_kind='mla' has no qk_norm, qkv_bias or partial_rotary_factor; "
-                             "allowed: qk_norm='none', qkv_bias=False, partial_rotary_factor=1.0")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{name} = {value!r}; allowed: an int >= 0")
+        if self.layer_types is not None:
+            if isinstance(self.layer_types, list):  # from JSON
+                object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.n_layers:
+                raise ValueError(f"ModelConfig.layer_types = {self.layer_types!r}; allowed: None or one kind per "
+                                 f"layer (n_layers = {self.n_layers}) from {', '.join(kinds.names())}")
+        for kind in kinds.kinds_of(self):  # an unknown name raises here
+            kind.validate(self)
+        if self.index_topk and any(k != "dsa" for k in self.layer_kinds):
+            raise ValueError(f"ModelConfig.index_topk = {self.index_topk} (DeepSeek sparse attention) with "
+                             f"layer_types {list(self.layer_kinds)}; allowed: 'dsa' on every layer (the routing "
+                             f"record holds one indexer selection per layer)")
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's kind name (`jaxalign.model.kinds`): `layer_types`, or the attention kind on every layer."""
+        if self.layer_types is not None:
+            return tuple(self.layer_types)
+        uniform = "dsa" if self.attention_kind == "mla" and self.index_topk else self.attention_kind
+        return (uniform,) * self.n_layers
 
     # ----------------------------------------------------------------------------------------------------------
     @property
@@ -185,14 +174,17 @@ class ModelConfig:
         return len(self.moe_layers)
 
     def to_dict(self) -> dict[str, Any]:
-        """Field name -> value (JSON-serialisable); the MLA fields only for an MLA model."""
+        """Field name -> value (JSON-serialisable). The fields a layer kind owns appear only when a layer runs
+        that kind (e.g. the MLA fields only for an MLA model), `layer_types` only when set."""
+        from jaxalign.model import kinds
         out = dataclasses.asdict(self)
-        if self.attention_kind == "gqa":
-            for name in _MLA_FIELDS:
-                del out[name]
-        if self.index_topk == 0:
-            for name in _DSA_FIELDS:
-                del out[name]
+        used = {field for kind in kinds.kinds_of(self) for field in kind.fields}
+        for name in {field for kind in kinds.all_kinds() for field in kind.fields} - used:
+            del out[name]
+        if self.layer_types is None:
+            del out["layer_types"]
+        else:
+            out["layer_types"] = list(self.layer_types)
         return out
 
     @classmethod

@@ -10,28 +10,28 @@ from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.lora import merged_weight
 
-GQA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-# multi-head latent attention: q_proj without a q bottleneck, else q_a_proj / q_b_proj; the KV latent's down- and
-# up-projection; the output projection
-MLA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
 MLP_TARGETS = ("gate", "up", "down")  # dense layers and shared experts (routed experts are stacked tensors)
-TARGETS = tuple(dict.fromkeys(GQA_TARGETS + MLA_TARGETS + MLP_TARGETS))
+
+
+def all_targets() -> tuple[str, ...]:
+    """Every adaptable layer name: each registered layer kind's `lora_names`, then the MLP layers."""
+    from jaxalign.model import kinds
+    return tuple(dict.fromkeys([t for kind in kinds.all_kinds() for t in kind.lora_names] + list(MLP_TARGETS)))
 # the DSA indexer only feeds a top-k: no gradient reaches its projections (transformers runs it under no_grad)
 INDEXER_LINEARS = ("wq_b", "wk", "weights_proj")
 
 
 def attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
-    """Every attention projection of `cfg`'s attention kind (what `add_lora` adapts by default)."""
-    if cfg.attention_kind != "mla":
-        return GQA_TARGETS
-    query = ("q_proj",) if cfg.q_lora_rank is None else ("q_a_proj", "q_b_proj")
-    return query + ("kv_a_proj", "kv_b_proj", "o_proj")
+    """Every projection of the mixers `cfg`'s layer kinds run (`LayerKind.lora_targets`; what `add_lora` adapts
+    by default)."""
+    from jaxalign.model import kinds
+    return tuple(dict.fromkeys(t for kind in kinds.kinds_of(cfg) for t in kind.lora_targets(cfg)))
 
 
 def _targets_of(model: Transformer) -> set[str]:
     """The adaptable layer names this model has."""
     return {path[-1] for path, module in nnx.iter_graph(model)
-            if isinstance(module, Linear) and path and path[-1] in TARGETS}
+            if isinstance(module, Linear) and path and path[-1] in all_targets()}
 
 
 def add_lora(model: Transformer, rank: int, alpha: float, targets=None, *, seed: int = 0) -> int:
@@ -40,6 +40,7 @@ def add_lora(model: Transformer, rank: int, alpha: float, targets=None, *, seed:
 
     A target this model does not have (e.g. `k_proj` on an MLA model) is refused with the ones it has; so are
     the DSA indexer's projections, which no gradient reaches."""
+    TARGETS = all_targets()
     if rank < 1 or alpha <= 0:
         raise ValueError(f"LoRA rank = {rank}, alpha = {alpha}; allowed: rank >= 1, alpha > 0")
     targets = attention_targets(model.config) if targets is None else tuple(targets)

@@ -22,25 +22,21 @@ LATENT_CACHE_AXES = ("cache_batch", None, None, "cache_seq")
 LATENT_NORM_EPS = 1e-6
 
 
-def cache_rows(cfg: ModelConfig) -> int:
+def cache_rows(cfg: ModelConfig, indexed: bool) -> int:
     """Numbers cached per slot and layer: the latent, the rope key and (DSA) the indexer key."""
-    return cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_head_dim if cfg.index_topk else 0)
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_head_dim if indexed else 0)
 
 
-def empty_latent_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype) -> jax.Array:
-    """One layer's zeroed latent cache for `batch` rows of `cache_len` slots."""
-    return constrain(jnp.zeros((batch, 1, cache_rows(cfg), cache_len), dtype), LATENT_CACHE_AXES)
-
-
-def latent_cache_bytes(cfg: ModelConfig, batch: int, cache_len: int, itemsize: int) -> int:
-    """Bytes of the latent caches of all layers."""
-    return cfg.n_layers * batch * cache_len * cache_rows(cfg) * itemsize
+def empty_latent_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype, rows: int) -> jax.Array:
+    """One layer's zeroed latent cache for `batch` rows of `cache_len` slots, `rows` numbers per slot."""
+    return constrain(jnp.zeros((batch, 1, rows, cache_len), dtype), LATENT_CACHE_AXES)
 
 
 class MLAttention(nnx.Module):
     """Multi-head latent attention. Parameter names follow transformers' DeepseekV3Attention."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, indexed: bool | None = None):
+        """`indexed`: with the DSA indexer (default: when cfg.index_topk > 0; the `dsa` layer kind)."""
         self.cfg = cfg
         h, qk = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         if cfg.q_lora_rank is None:
@@ -56,7 +52,7 @@ class MLAttention(nnx.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), ("unsharded", "q_heads"),
                                 rngs=rngs)
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.d_model, ("q_heads", "embed"), rngs=rngs)
-        if cfg.index_topk:
+        if cfg.index_topk if indexed is None else indexed:
             from jaxalign.model.dsa import Indexer
             self.indexer = Indexer(cfg, rngs=rngs)
         else:
@@ -68,10 +64,10 @@ class MLAttention(nnx.Module):
             return None
         return self.q_a_norm(self.q_a_proj(x, policy), policy)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, policy: NumericPolicy, kv: jax.Array | None = None,
-                 index_replay: jax.Array | None = None):
-        """x [B, S, D], positions [B, S]; `kv` the latent cache [B, 1, rows, M] (written at slot = position,
-        then read whole). Under DSA, `index_replay` [B, S, index_topk] recorded key positions replace the
+    def __call__(self, x: jax.Array, positions: jax.Array, policy: NumericPolicy, kv: jax.Array | None = None, *,
+                 valid=None, index_replay: jax.Array | None = None):
+        """x [B, S, D], positions [B, S] (the mixer call of `model/kinds/base.py`); `kv` the latent cache
+        [B, 1, rows, M] (written at slot = position, then read whole; `valid` is not needed, as for GQA). Under DSA, `index_replay` [B, S, index_topk] recorded key positions replace the
         indexer's choice (rows whose first entry is -1 keep their own).
         Returns (out [B, S, D], new cache or None, selection): selection is None without an indexer, else the
         indexer's own (positions [B, S, index_topk] (-1 = fewer visible keys), margins [B, S])."""

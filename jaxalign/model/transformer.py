@@ -7,10 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxalign.model.attention import Attention
+from jaxalign.model import kinds
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Embedding, Linear, RMSNorm
-from jaxalign.model.mla import MLAttention
 from jaxalign.model.moe import MoE
 from jaxalign.model.routing import (RoutingRecord, check_expert_indices, check_index_positions,
                                     check_replay_weights)
@@ -20,29 +19,28 @@ from jaxalign.numerics.schedule import PolicySchedule, policy_for
 from jaxalign.numerics.matmul import matmul
 from jaxalign.runtime import require_exact_rounding
 
-KV = tuple[jax.Array, jax.Array]
 ACTIVATION = ("batch", "seq", "act_embed")  # the residual stream between layers (model/sharding.py)
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: attention, then a routed MoE or a dense SwiGLU MLP."""
+    """Pre-norm decoder block: the layer kind's mixer (attention, or any kind in `model.kinds`; in the `attn`
+    slot whatever its kind, so parameter paths stay put), then a routed MoE or a dense SwiGLU MLP."""
 
-    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs)
-        self.attn = MLAttention(cfg, rngs=rngs) if cfg.attention_kind == "mla" else Attention(cfg, rngs=rngs)
+        self.kind = cfg.layer_kinds[layer]
+        self.attn = kinds.get(self.kind).build(cfg, layer, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else DenseMLP(cfg.d_model, cfg.dense_mlp_dim, rngs=rngs)
         self.is_moe = moe
 
     def __call__(self, x, positions, policy, kv=None, replay=None, layer: int = 0, index_replay=None,
-                 replay_weights=None):
+                 replay_weights=None, valid=None):
+        """`kv`: this layer's engine state (None in the trainer); `valid` [B, S]: real tokens (None: all)."""
         attn_policy, mlp_policy = policy_for(policy, "attn", layer), policy_for(policy, "mlp", layer)
         x = as_compute(x, attn_policy)  # a no-op unless a PolicySchedule changes dtype between parts
-        selection = None
-        if isinstance(self.attn, MLAttention):
-            h, kv, selection = self.attn(self.attn_norm(x, attn_policy), positions, attn_policy, kv, index_replay)
-        else:
-            h, kv = self.attn(self.attn_norm(x, attn_policy), positions, attn_policy, kv)
+        h, kv, selection = self.attn(self.attn_norm(x, attn_policy), positions, attn_policy, kv, valid=valid,
+                                     index_replay=index_replay)
         x = x + h
         routing = None
         if self.is_moe:
@@ -77,7 +75,7 @@ class Transformer(nnx.Module):
         self.config = config
         self.embed = Embedding(config.vocab_size, config.d_model, rngs=rngs)
         moe_layers = set(config.moe_layers)
-        self.blocks = nnx.List([Block(config, i in moe_layers, rngs=rngs) for i in range(config.n_layers)])
+        self.blocks = nnx.List([Block(config, i in moe_layers, rngs=rngs, layer=i) for i in range(config.n_layers)])
         self.final_norm = RMSNorm(config.d_model, config.rms_eps, "embed", rngs=rngs)
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size,
                                                                  ("embed", "vocab"), rngs=rngs)
@@ -98,10 +96,12 @@ class Transformer(nnx.Module):
                                           index_replay=index_replay, replay_weights=replay_weights)
         return logits, routing
 
-    def forward(self, tokens, policy: NumericPolicy, *, positions=None, kv: list[KV] | None = None,
-                replay=None, index_replay=None, replay_weights=None):
-        """Forward with an optional per-layer KV cache. Returns (logits, RoutingRecord, new kv or None); under
-        DSA the record carries the indexer's selections (`index_positions`, `index_margins`)."""
+    def forward(self, tokens, policy: NumericPolicy, *, positions=None, kv: list | None = None,
+                replay=None, index_replay=None, replay_weights=None, valid=None):
+        """Forward with optional per-layer engine states (`kv`: one opaque state per layer, from its kind's
+        `init_state`). `valid` [B, S] bool marks real tokens (None: all; see `model/kinds/base.py`). Returns
+        (logits, RoutingRecord, new states or None); under DSA the record carries the indexer's selections
+        (`index_positions`, `index_margins`)."""
         cfg = self.config
         require_exact_rounding(policy)  # at trace time: once per compiled program
         b, s = tokens.shape
@@ -124,7 +124,8 @@ class Transformer(nnx.Module):
             layer_kv = None if kv is None else kv[i]
             layer_index = None if index_replay is None else index_replay[:, :, i]
             x, layer_kv, routing, selection = block(x, positions, policy, layer_kv, layer_replay, layer=i,
-                                                    index_replay=layer_index, replay_weights=layer_weights)
+                                                    index_replay=layer_index, replay_weights=layer_weights,
+                                                    valid=valid)
             x = constrain(x, ACTIVATION)
             new_kv.append(layer_kv)
             if routing is not None:
