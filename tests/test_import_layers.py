@@ -64,9 +64,14 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _nodes(path: pathlib.Path) -> tuple[ast.AST, ...]:
-    """The import statements of a file, at any depth."""
+    """The import statements of a file, at any depth, except those under `if TYPE_CHECKING:` (annotations only;
+    never run)."""
     tree = ast.parse(path.read_text(), str(path))
-    return tuple(node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
+    skipped = {id(inner) for node in ast.walk(tree)
+               if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+               for inner in ast.walk(node)}
+    return tuple(node for node in ast.walk(tree)
+                 if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped)
 
 
 def _imports(module: str) -> list[tuple[str, str | None, int]]:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import Linear, RMSNorm
 from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.attention import attention, kv_cache_entries, rope
+
+if TYPE_CHECKING:  # annotations only: config imports the layer kinds, which import this module
+    from jaxalign.model.config import ModelConfig
 
 # the engine's cache: keys [B, KVH, Dh, M], values [B, KVH, M, Dh] (model/sharding.py splits the named axes)
 K_CACHE_AXES = ("cache_batch", "cache_kv_heads", None, "cache_seq")

@@ -4,15 +4,19 @@ per-head weighting, and a top-k over the visible keys (`jaxalign.numerics.indexe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import Linear, param
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.attention import rope
 from jaxalign.numerics.reduce import layer_norm
+
+if TYPE_CHECKING:  # annotations only: config imports the layer kinds, which import this module
+    from jaxalign.model.config import ModelConfig
 
 INDEX_KEY_NORM_EPS = 1e-6  # transformers: nn.LayerNorm(index_head_dim, eps=1e-6)
 

@@ -3,17 +3,21 @@ picks (`jaxalign.numerics.mla`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import Linear, RMSNorm
 from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, cast
 from jaxalign.numerics.attention import rope
 from jaxalign.numerics.indexer import index_scores, replayed_keys, select_keys
 from jaxalign.numerics.mla import mla_attention
+
+if TYPE_CHECKING:  # annotations only: config imports the layer kinds, which import this module
+    from jaxalign.model.config import ModelConfig
 
 # the engine's MLA cache: [B, 1, kv_lora_rank + qk_rope_head_dim (+ index_head_dim), M] (latent rows, the rope
 # key, and under DSA the indexer key; slots last)

@@ -6,15 +6,7 @@ from __future__ import annotations
 
 from jaxalign.model import kinds
 from jaxalign.model.config import ModelConfig
-
-
-def get(hf: dict, *names):
-    """The first of several spellings transformers uses for one field (e.g. num_experts / num_local_experts)."""
-    for name in names:
-        if hf.get(name) is not None:
-            return hf[name]
-    raise ValueError(f"config.json has no value for {' / '.join(names)} (required for model_type "
-                     f"{hf.get('model_type')!r})")
+from jaxalign.model.kinds.base import hf_field as get  # noqa: F401  (the families import it from here)
 
 
 def rope(hf: dict) -> tuple[float, float]:

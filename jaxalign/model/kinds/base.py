@@ -124,3 +124,12 @@ def hf_linear(take: Take, name: str, d_in: int, d_out: int, bias: bool) -> dict:
     if bias:
         out["b"] = take(name + ".bias", (d_out,))
     return out
+
+
+def hf_field(hf: dict, *names):
+    """The first of several spellings transformers uses for one field (e.g. num_experts / num_local_experts)."""
+    for name in names:
+        if hf.get(name) is not None:
+            return hf[name]
+    raise ValueError(f"config.json has no value for {' / '.join(names)} (required for model_type "
+                     f"{hf.get('model_type')!r})")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxalign.model.kinds.base import LayerKind, hf_linear, random_rows, split_rows
+from jaxalign.model.kinds.base import LayerKind, hf_field, hf_linear, random_rows, split_rows
 from jaxalign.numerics import dtype
 
 MLA_FIELDS = ("attention_kind", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -83,17 +83,16 @@ class MLA(LayerKind):
     def config_from_hf(self, hf: dict, common: dict) -> dict:
         """MLA's fields and the head layout it implies; refused: attention biases and fewer KV heads than query
         heads."""
-        from jaxalign.interop.families.base import get
         if hf.get("attention_bias", False):
             raise ValueError("attention_bias = True is not supported for multi-head latent attention; allowed: False")
         heads = common["n_heads"]
         if (hf.get("num_key_value_heads") or heads) != heads:
             raise ValueError(f"num_key_value_heads = {hf['num_key_value_heads']} with multi-head latent attention; "
                              f"allowed: num_attention_heads = {heads} (transformers expands one key per head)")
-        nope, rope_dim = get(hf, "qk_nope_head_dim"), get(hf, "qk_rope_head_dim")
+        nope, rope_dim = hf_field(hf, "qk_nope_head_dim"), hf_field(hf, "qk_rope_head_dim")
         return dict(n_kv_heads=heads, head_dim=nope + rope_dim, attention_kind="mla",
-                    q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=get(hf, "kv_lora_rank"),
-                    qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=get(hf, "v_head_dim"),
+                    q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf_field(hf, "kv_lora_rank"),
+                    qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=hf_field(hf, "v_head_dim"),
                     rope_interleave=bool(hf.get("rope_interleave", True)))
 
     def config_to_hf(self, cfg) -> dict:
@@ -203,14 +202,13 @@ class DSA(MLA):
 
     def config_from_hf(self, hf: dict, common: dict) -> dict:
         """MLA's fields and the indexer's; refused: `indexer_types` other than 'full' (shared top-k reuse)."""
-        from jaxalign.interop.families.base import get
         fields = super().config_from_hf(hf, common)
         indexer_types = hf.get("indexer_types") or ["full"] * hf["num_hidden_layers"]
         if any(t != "full" for t in indexer_types):
             raise ValueError(f"indexer_types = {indexer_types} is not supported; supported: 'full' for every "
                              f"layer (each layer runs its own indexer; 'shared' top-k reuse is not implemented)")
-        return dict(fields, index_topk=get(hf, "index_topk"), index_n_heads=get(hf, "index_n_heads"),
-                    index_head_dim=get(hf, "index_head_dim"))
+        return dict(fields, index_topk=hf_field(hf, "index_topk"), index_n_heads=hf_field(hf, "index_n_heads"),
+                    index_head_dim=hf_field(hf, "index_head_dim"))
 
     def config_to_hf(self, cfg) -> dict:
         return dict(super().config_to_hf(cfg), index_topk=cfg.index_topk, index_n_heads=cfg.index_n_heads,
