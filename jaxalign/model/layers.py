@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxalign.numerics import NumericPolicy, as_param
+from jaxalign.numerics import NumericPolicy, as_param, fp8
 from jaxalign.numerics.experts import swiglu
 from jaxalign.numerics.lora import lora_linear
 from jaxalign.numerics.matmul import add_bias, lookup, matmul
@@ -60,7 +60,13 @@ class Linear(nnx.Module):
         self.lora_scale = alpha / rank
 
     def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
-        if self.lora_a is not None:
+        if policy.quantizes_products:
+            if self.lora_a is not None:
+                raise ValueError(f"NumericPolicy.weight_quant = {policy.weight_quant!r} / act_quant = "
+                                 f"{policy.act_quant!r} on a layer with a LoRA adapter: FP8 products take merged "
+                                 f"weights only; allowed: merge the adapter (model.lora.merge_lora) or wq=none,aq=none")
+            y = fp8.linear(x, self.w[...], policy)
+        elif self.lora_a is not None:
             y = lora_linear(x, self.w[...], self.lora_a[...], self.lora_b[...], self.lora_scale, policy)
         else:
             y = matmul(x, as_param(self.w[...], policy), policy)
