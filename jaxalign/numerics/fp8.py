@@ -43,7 +43,12 @@ import numpy as np
 from jax import lax
 
 from jaxalign.numerics.dtypes import as_param, cast, dtype
-from jaxalign.numerics.matmul import _ends_passed, expert_matmul, grouped_matmul, matmul
+from jaxalign.numerics import precision
+from jaxalign.numerics.collectives import gather_axes, local_reduce
+from jaxalign.numerics.kernels import select_matmul
+from jaxalign.numerics.matmul import (_ends_passed, _to_tiles, expert_matmul, grouped_matmul, matmul, row_tiles,
+                                      tile_layout)
+from jaxalign.numerics.platforms import platform
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.reduce import uncontracted
 
@@ -171,31 +176,61 @@ def _chunks(k: int, policy: NumericPolicy) -> list[tuple[int, int, int | None, i
             for s in range(0, k, size)]
 
 
-def _block_sum(x: jax.Array, w, policy: NumericPolicy, dot, weight_scale) -> jax.Array:
-    """The block-scaled product of x [..., M, K] (compute dtype) and w (a `QuantizedWeight` or, with weights
-    unquantised, a param-dtype array) as float32: per chunk `dot(x_chunk, w_chunk)` (float32), times its scales,
-    summed in chunk order. `weight_scale(block_scales [..., N_blocks]) -> broadcastable [..., N]` places one
-    K block's weight scales against the chunk's result (per row group for the grouped product)."""
-    cdt = policy.compute_dtype
+def _operands(w, policy: NumericPolicy) -> tuple[jax.Array, jax.Array | None]:
+    """(weight values in the compute dtype, block scales or None): a `QuantizedWeight`'s e4m3 values upcast (exact:
+    every e4m3 value is a bf16, f16 and f32 value), or an unquantised weight (act_quant only) cast."""
+    cdt = dtype(policy.compute_dtype)
+    if isinstance(w, QuantizedWeight):
+        return w.values.astype(cdt), w.scales
+    return cast(w, policy.compute_dtype), None
+
+
+def _block_sum(x: jax.Array, values: jax.Array, scales: jax.Array | None, policy: NumericPolicy, dot,
+               weight_scale) -> jax.Array:
+    """The block-scaled product of rows x [..., M, K] (compute dtype) and weight `values` [..., K, N] (see
+    `_operands`) as float32: the activation quantised in its tiles (if the policy says), then per contraction
+    chunk `dot(x_chunk, w_chunk)` (float32) times its scales, summed in chunk order.
+    `weight_scale(block_scales [..., N_blocks]) -> broadcastable to [..., M, N]` places one K block's weight
+    scales against the chunk's result."""
     if policy.act_tile:
         xq, x_scales = quantize_tiles(x, policy.act_tile, policy.quant_scale)
-        x = xq.astype(dtype(cdt))  # exact: every e4m3 value is a bf16, f16 and f32 value
+        x = xq.astype(values.dtype)
     else:
-        x, x_scales = cast(x, cdt), None
-    quantized = isinstance(w, QuantizedWeight)
-    values = w.values.astype(x.dtype) if quantized else cast(w, cdt)
+        x, x_scales = cast(x, policy.compute_dtype), None
     total = None
     for start, stop, a, b in _chunks(x.shape[-1], policy):
         part = dot(x[..., start:stop], values[..., start:stop, :])
-        scale = None
-        if x_scales is not None:
-            scale = x_scales[..., a:a + 1]
-        if quantized:
-            ws = weight_scale(w.scales[..., b, :])
+        scale = None if x_scales is None else x_scales[..., a:a + 1]
+        if scales is not None:
+            ws = weight_scale(scales[..., b, :])
             scale = ws if scale is None else scale * ws
         term = uncontracted(part * scale, policy)
         total = term if total is None else total + term
     return total
+
+
+def _f32_dot(policy: NumericPolicy):
+    return lambda a, b: precision.dot(a, b, policy)
+
+
+def _columns(blocks: tuple[int, int] | None, n: int):
+    """One K block's weight scales [..., nN] repeated over their C columns, as a row: [..., 1, N]."""
+    return lambda s: jnp.repeat(s, blocks[1], axis=-1)[..., None, :n]
+
+
+def _linear_block(x2d: jax.Array, w, policy: NumericPolicy) -> jax.Array:
+    """x2d [M, K] times one weight (`QuantizedWeight` or unquantised) -> float32 [M, N]: whole rows under the xla
+    kernel, fixed [T, K] row tiles under `tiled:T` (batch invariant), per-chunk Pallas products under Pallas."""
+    k, n = w.shape[-2:]
+    values, scales = _operands(w, policy)
+    x2d, values = local_reduce(x2d, policy, (1,)), local_reduce(values, policy, (0,))  # no sum across devices
+    columns = _columns(getattr(w, "blocks", None), n)
+    impl = select_matmul(policy, k, n, values.dtype, platform())
+    if impl.kind == "pallas":
+        dot = lambda a, b: matmul(a, b, policy, operand_dtype=policy.compute_dtype, out_dtype="f32")  # noqa: E731
+        return _block_sum(x2d, values, scales, policy, dot, columns)
+    product = lambda rows: _block_sum(rows, values, scales, policy, _f32_dot(policy), columns)  # noqa: E731
+    return row_tiles(x2d, product, impl.tile if impl.kind == "lax-tiled" else None)
 
 
 def _straight_through(forward, plain):
@@ -228,52 +263,64 @@ def _product(block_product, plain_product, policy: NumericPolicy, x, w, *rest):
     """block_product(x, weight operand, *rest) -- straight-through to plain_product(x, w, *rest) when w is a
     master (the trainer); the engine's `QuantizedWeight` needs no gradient."""
     if isinstance(w, QuantizedWeight):
+        check_weight(w, policy)
         return block_product(x, w, *rest)
     forward = lambda x, w, *rest: block_product(x, _weight(w, policy), *rest)  # noqa: E731
     return _straight_through(forward, plain_product)(x, w, *rest)
 
 
-def _n_cols(scales_row: jax.Array, blocks: tuple[int, int], n: int) -> jax.Array:
-    """One K block's scales [..., nN] repeated over their C columns: [..., N]."""
-    return jnp.repeat(scales_row, blocks[1], axis=-1)[..., :n]
-
-
 def linear(x: jax.Array, w, policy: NumericPolicy) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in the compute dtype, block-scaled (w: master or `QuantizedWeight`)."""
     def block_product(x, w):
-        n = w.shape[-1]
-        f32 = lambda a, b: matmul(a, b, policy, operand_dtype=policy.compute_dtype, out_dtype="f32")  # noqa: E731
-        col = lambda s: _n_cols(s, w.blocks, n)[None, :]  # noqa: E731
-        lead = x.shape[:-1]
-        y = _block_sum(x.reshape(-1, x.shape[-1]), w, policy, f32, col)
-        return cast(y.reshape(lead + (n,)), policy.compute_dtype)
+        y = _linear_block(x.reshape(-1, x.shape[-1]), w, policy)
+        return cast(y.reshape(x.shape[:-1] + (w.shape[-1],)), policy.compute_dtype)
 
     plain = lambda x, w: matmul(x, as_param(w, policy), policy)  # noqa: E731
     return _product(block_product, plain, policy, x, w)
 
 
 def expert_linear(x: jax.Array, w, policy: NumericPolicy) -> jax.Array:
-    """Per-expert products x [E, R, K] @ w [E, K, N] -> [E, R, N], block-scaled (`matmul.expert_matmul`'s)."""
+    """Per-expert products x [E, R, K] @ w [E, K, N] -> [E, R, N], block-scaled (`matmul.expert_matmul`'s: one
+    expert at a time under the tiled and Pallas kernels)."""
     def block_product(x, w):
-        n = w.shape[-1]
-        f32 = lambda a, b: expert_matmul(a, b, policy, out_dtype="f32")  # noqa: E731
-        col = lambda s: _n_cols(s, w.blocks, n)[:, None, :]  # noqa: E731  [E, 1, N]
-        return cast(_block_sum(x, w, policy, f32, col), policy.compute_dtype)
+        one = lambda xe, we: _linear_block(xe, we, policy)  # noqa: E731
+        if policy.tile_rows is None and policy.pallas_blocks is None:
+            y = jax.vmap(one)(x, w)
+        else:
+            y = lax.map(lambda pair: one(*pair), (x, w))
+        return cast(y, policy.compute_dtype)
 
     plain = lambda x, w: expert_matmul(x, as_param(w, policy), policy)  # noqa: E731
     return _product(block_product, plain, policy, x, w)
 
 
 def grouped_linear(x: jax.Array, w, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
-    """Rows sorted by expert: x [R, K] @ w [E, K, N] per group -> [R, N], block-scaled
-    (`matmul.grouped_matmul`'s); each row takes its expert's weight scales."""
+    """Rows sorted by expert: x [R, K] @ w [E, K, N] per group -> [R, N], block-scaled (`matmul.grouped_matmul`'s
+    layouts: per-expert [T, K] tiles under `tiled:T`, per-chunk ragged or Pallas products otherwise); each row
+    takes its expert's weight scales."""
     def block_product(x, w, group_sizes):
-        n = w.shape[-1]
-        experts = w.shape[0]
-        row_expert = jnp.minimum(_ends_passed(jnp.cumsum(group_sizes), jnp.arange(x.shape[0])), experts - 1)
-        f32 = lambda a, b: grouped_matmul(a, b, group_sizes, policy, out_dtype="f32")  # noqa: E731
-        col = lambda s: _n_cols(s, w.blocks, n)[row_expert]  # noqa: E731  [R, N]
-        return cast(_block_sum(x, w, policy, f32, col), policy.compute_dtype)
+        experts, k, n = w.shape
+        values, scales = _operands(w, policy)
+        x, values = local_reduce(x, policy, (1,)), local_reduce(values, policy, (0, 1, 2))
+        blocks = getattr(w, "blocks", None)
+        impl = select_matmul(policy, k, n, values.dtype, platform(), kernel="grouped_matmul")
+        if impl.kind == "lax-tiled":
+            n_tiles, dest, tile_expert = tile_layout(group_sizes, x.shape[0], impl.tile)
+            tiles = _to_tiles(x, dest, n_tiles, impl.tile)
+
+            def one_tile(carry, tile_and_expert):
+                t, e = tile_and_expert
+                y = _block_sum(t, values[e], None if scales is None else scales[e], policy, _f32_dot(policy),
+                               _columns(blocks, n))
+                return carry, gather_axes(y, (0,))
+            _, out = lax.scan(one_tile, None, (tiles, tile_expert))
+            y = out.reshape(-1, n)[dest]
+        else:
+            row_expert = jnp.minimum(_ends_passed(jnp.cumsum(group_sizes), jnp.arange(x.shape[0])), experts - 1)
+            dot = lambda a, b: grouped_matmul(a, b, group_sizes, policy, out_dtype="f32")  # noqa: E731
+            per_row = lambda s: _columns(blocks, n)(s)[row_expert, 0]  # noqa: E731  [R, N]
+            y = _block_sum(x, values, scales, policy, dot, per_row)
+        return cast(y, policy.compute_dtype)
 
     plain = lambda x, w, sizes: grouped_matmul(x, as_param(w, policy), sizes, policy)  # noqa: E731
     return _product(block_product, plain, policy, x, w, group_sizes)

@@ -58,16 +58,21 @@ def _rows(x2d: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
     impl = select_matmul(policy, x2d.shape[1], w.shape[1], x2d.dtype, platform())
     if impl.kind == "pallas":
         return pallas_matmul(x2d, w, impl.blocks, impl.platform)
-    tile = impl.tile
-    if impl.kind == "xla":
-        return _dot(x2d, w, policy)
+    return row_tiles(x2d, lambda t: _dot(t, w, policy), impl.tile if impl.kind == "lax-tiled" else None)
+
+
+def row_tiles(x2d: jax.Array, product, tile: int | None) -> jax.Array:
+    """product(rows [R, K]) -> [R, N] on x2d [M, K]: whole, or (`tile` T) on zero-padded [T, K] row tiles one at a
+    time (`lax.map`: every row through the same compiled kernel of the same shape, so batch invariant)."""
+    if tile is None:
+        return product(x2d)
     m, k = x2d.shape
     pad = (-m) % tile
     # a whole tile stays on one device: split rows would be multiplied by a smaller kernel, with other bits
     tiles = gather_axes(jnp.pad(x2d, ((0, pad), (0, 0))).reshape(-1, tile, k), (1, 2))
     # ... and its product too (the partitioner may otherwise split the dot by the rows its consumers want)
-    out = gather_axes(lax.map(lambda t: gather_axes(_dot(t, w, policy), (0,)), tiles), (1,))
-    return out.reshape(-1, w.shape[-1])[:m]
+    out = gather_axes(lax.map(lambda t: gather_axes(product(t), (0,)), tiles), (1,))
+    return out.reshape(m + pad, -1)[:m]
 
 
 def matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy, *, operand_dtype: str | None = None,
