@@ -241,10 +241,14 @@ def test_serve_fp8_gap_exceeds_serve_bf16():
     assert k3["serve-fp8"] > 3 * k3["serve-bf16"] > 0, k3
 
 
+OTHER_FAMILIES = tuple(p for p in FAMILY_PRESETS if p != "tiny")  # tiny: tests/test_alignment.py's cases
+
+
 @pytest.mark.bitwise
-@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+@pytest.mark.parametrize("preset", OTHER_FAMILIES)
 def test_aligned_fp8_engine_equals_trainer_on_every_family(preset):
-    """Static batches of every family: the aligned-fp8 engine's logprobs are its trainer's, bit for bit."""
+    """Static batches of every family: the aligned-fp8 engine's logprobs (weights quantised once, at its sync)
+    are its trainer's (quantising its float32 masters inside the forward), bit for bit."""
     from jaxalign.align.compare import compare
 
     model = build_model(preset)
