@@ -340,3 +340,25 @@ def e4m3_values() -> np.ndarray:
     import ml_dtypes
     values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     return np.unique(values[np.isfinite(values)])
+
+
+# --- probes (`jaxalign check`) -------------------------------------------------------------------------------
+
+def probe_kernels(w: jax.Array, policy: NumericPolicy) -> dict:
+    """`jaxalign check`'s batch-invariance probe of the FP8 product under `policy` (which quantises): name ->
+    (kernel on rows [b, K]); the weight [K, N] quantised once, as the engine holds it."""
+    weight = quantize_weight(w, policy.weight_blocks, policy.quant_scale) if policy.weight_blocks else w
+    return {"fp8_matmul": lambda x: linear(x, weight, policy)}
+
+
+def rounding_check() -> dict:
+    """This backend's rounding into e4m3 against ml_dtypes' cast (round to nearest even, saturated to +-448):
+    every e4m3 value, every midpoint, one float32 ulp either side of each, and values past the range."""
+    import ml_dtypes
+    v = e4m3_values()
+    mids = ((v[1:] + v[:-1]) / 2).astype(np.float32)
+    x = np.concatenate([v, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+                        [449.0, -449.0, 464.0, -464.0, 1e30, -1e30]]).astype(np.float32)
+    got = np.asarray(jax.jit(lambda a: to_e4m3(a, jnp.float32(1.0)))(x)).view(np.uint8)
+    want = np.clip(x, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return {"cases": int(x.size), "mismatches": int(np.sum(got != want)), "passed": bool(np.array_equal(got, want))}
