@@ -206,6 +206,26 @@ def test_weights_are_requantized_at_every_sync():
     assert plain and all(v.dtype != fp8.E4M3 for v in plain)
 
 
+@pytest.mark.bitwise
+def test_merged_lora_adapters_are_quantised_with_their_weight():
+    """lora=merged under aligned-fp8: the engine (merged at its sync, then quantised) and the trainer (merging and
+    quantising inside its forward) hold the same e4m3 weights: same logits, bit for bit."""
+    from jaxalign.engine.engine import Engine
+    from jaxalign.model.scoring import _forward
+
+    from conftest import build_lora_model
+    model = build_lora_model("tiny")
+    policy = NumericPolicy.preset("aligned-fp8")
+    tokens = jnp.asarray(random_tokens(model.config, 3, 12, seed=2))
+    engine = Engine(model, policy)
+    masters = np.asarray(_forward(engine.graphdef, nnx.state(model), tokens, None, None, policy=policy)[0])
+    synced = np.asarray(_forward(engine.graphdef, engine.state, tokens, None, None, policy=policy)[0])
+    np.testing.assert_array_equal(synced, masters)
+    bf16 = np.asarray(_forward(engine.graphdef, nnx.state(model), tokens, None, None,
+                               policy=NumericPolicy.preset("aligned-bf16"))[0])
+    assert not np.array_equal(masters, bf16)  # the adapted layers did run in FP8
+
+
 def test_kv_quant_rounds_keys_and_values_per_token_and_head():
     policy = NumericPolicy.parse("train-bf16,kvq=e4m3")
     rng = np.random.default_rng(5)

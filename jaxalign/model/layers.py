@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxalign.numerics import NumericPolicy, as_param, fp8
 from jaxalign.numerics.experts import swiglu
-from jaxalign.numerics.lora import lora_linear
+from jaxalign.numerics.lora import lora_linear, merged_weight
 from jaxalign.numerics.matmul import add_bias, lookup, matmul
 from jaxalign.numerics.reduce import rms_norm
 
@@ -61,11 +61,11 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
         if policy.quantizes_products:
-            if self.lora_a is not None:
-                raise ValueError(f"NumericPolicy.weight_quant = {policy.weight_quant!r} / act_quant = "
-                                 f"{policy.act_quant!r} on a layer with a LoRA adapter: FP8 products take merged "
-                                 f"weights only; allowed: merge the adapter (model.lora.merge_lora) or wq=none,aq=none")
-            y = fp8.linear(x, self.w[...], policy)
+            w = self.w[...]
+            if self.lora_a is not None and not isinstance(w, fp8.QuantizedWeight):
+                # lora=merged (FP8 refuses unmerged): the merged weight is quantised, as the engine's at its sync
+                w = merged_weight(w, self.lora_a[...], self.lora_b[...], self.lora_scale, policy)
+            y = fp8.linear(x, w, policy)
         elif self.lora_a is not None:
             y = lora_linear(x, self.w[...], self.lora_a[...], self.lora_b[...], self.lora_scale, policy)
         else:

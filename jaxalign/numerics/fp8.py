@@ -57,8 +57,9 @@ E4M3_MAX = 448.0
 _INV_MAX = np.float32(1.0) / np.float32(E4M3_MAX)  # fl32(1/448)
 _MIN_EXP, _MAX_EXP = -126, 126
 
-# which parameters hold quantised weights: linear and routed-expert weights; not the embedding, the LM head
-# (its weight is read directly), the router, LoRA adapters, or MLA's kv_b (read per head by numerics/mla.py)
+# which parameters hold quantised weights: linear and routed-expert weights (with a LoRA adapter: the merged
+# weight, merged in the param dtype first); not the embedding, the LM head (its weight is read directly), the
+# router, the adapters themselves, or MLA's kv_b (read per head by numerics/mla.py)
 QUANTIZED_LEAVES = ("w", "w_gate", "w_up", "w_down")
 UNQUANTIZED_MODULES = ("lm_head", "kv_b_proj", "router")
 
