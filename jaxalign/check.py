@@ -31,7 +31,7 @@ from jaxalign.align.audit import PROGRAMS, audit, lower_programs
 from jaxalign.model import kinds
 from jaxalign.model.kinds.base import random_rows
 from jaxalign.model.transformer import Transformer
-from jaxalign.numerics import NumericPolicy, kernels as kernel_choice
+from jaxalign.numerics import NumericPolicy, fp8, kernels as kernel_choice
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.platforms import effective_isa
 from jaxalign.numerics.precision import check_backend
@@ -80,6 +80,8 @@ def _kernels(cfg, policy: NumericPolicy) -> dict[str, tuple[Callable, Callable]]
         "rms_norm": (random_rows(cfg.d_model), lambda x: rms_norm(x, scale, policy, cfg.rms_eps)),
         "softmax": (random_rows(cfg.vocab_size), lambda x: softmax(x, policy, policy.attn_softmax_dtype)),
     }
+    if policy.quantizes_products:  # the block-scaled FP8 product (numerics/fp8.py), its weight quantised once
+        found |= {name: (random_rows(cfg.d_model), fn) for name, fn in fp8.probe_kernels(w, policy).items()}
     for kind in kinds.kinds_of(cfg):
         found |= kind.probes(cfg, policy, rng, q_len=PROBE_Q_LEN, k_len=PROBE_K_LEN)
     return found
@@ -175,8 +177,10 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
         bar.update()
     bar.close()
 
+    # FP8 on either side: this backend's e4m3 rounding must be round-to-nearest-even with saturation
+    fp8_rounding = fp8.rounding_check() if trainer.quantizes_products or engine.quantizes_products else None
     passed = (all(a["passed"] for a in audits.values()) and all(p["status"] != "FAIL" for p in probes)
-              and all(g["status"] == "pass" for g in gaps))
+              and all(g["status"] == "pass" for g in gaps) and (fp8_rounding is None or fp8_rounding["passed"]))
     return {"environment": environment(),
             "model": {"family": cfg.family, "config_fingerprint": cfg.fingerprint(),
                       "layer_kinds": list(cfg.layer_kinds),
@@ -191,7 +195,8 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
                            "probes": "bitwise for a batch-invariant policy, else reported only",
                            "audit": "no product with its precision or accumulation left to the backend"},
             "kernels": {side: sorted(found) for side, found in used.items()},
-            "audit": audits, "probes": probes, "gaps": gaps, "passed": passed}
+            "audit": audits, "probes": probes, "gaps": gaps,
+            **({"fp8_rounding": fp8_rounding} if fp8_rounding is not None else {}), "passed": passed}
 
 
 def load_model(spec: str, seed: int = 0) -> Transformer:
@@ -241,4 +246,8 @@ def format_report(result: dict) -> str:
                            + (["index_flip_rate"] if any("index_flip_rate" in g for g in result["gaps"]) else [])
                            + ["n_tokens", "status"]),
               "", "PASS" if result["passed"] else "FAIL"]
+    if "fp8_rounding" in result:
+        r = result["fp8_rounding"]
+        lines[-2:-2] = ["", f"FP8: e4m3 rounding on this backend vs ml_dtypes (nearest even, saturated): "
+                            f"{r['mismatches']} of {r['cases']} differ ({'pass' if r['passed'] else 'FAIL'})"]
     return "\n".join(lines)

@@ -12,15 +12,21 @@ from conftest import build_model
 ALIGNED = NumericPolicy.preset("aligned-bf16")
 
 
-@pytest.mark.parametrize("schedule, batches, chunk", [
-    ("static", (1, 3, 8, 32), None),
-    ("continuous", (3, 8), None),
-    ("static", (8,), 4),
+# aligned-bf16 on `small`, and aligned-fp8 (W8A8 on both sides, numerics/fp8.py) on `tiny` (its 16x16 blocks
+# are the presets' tiny-model scale); the first ids are the aligned-bf16 cases' (tests/isa.py names them)
+@pytest.mark.parametrize("policy_name, preset, schedule, batches, chunk", [
+    pytest.param("aligned-bf16", "small", "static", (1, 3, 8, 32), None, id="static-batches0-None"),
+    pytest.param("aligned-bf16", "small", "continuous", (3, 8), None, id="continuous-batches1-None"),
+    pytest.param("aligned-bf16", "small", "static", (8,), 4, id="static-batches2-4"),
+    pytest.param("aligned-fp8", "tiny", "static", (1, 3, 8, 32), None, id="fp8-static"),
+    pytest.param("aligned-fp8", "tiny", "continuous", (3, 8), None, id="fp8-continuous"),
+    pytest.param("aligned-fp8", "tiny", "static", (8,), 4, id="fp8-chunked-prefill"),
 ])
 @pytest.mark.bitwise
-def test_aligned_is_bitwise_for_every_batch_and_schedule(schedule, batches, chunk):
-    model = build_model("small")
-    result = compare(model, ALIGNED, ALIGNED, n_prompts=32, max_new_tokens=12, engine_batches=batches,
+def test_aligned_is_bitwise_for_every_batch_and_schedule(policy_name, preset, schedule, batches, chunk):
+    model = build_model(preset)
+    policy = NumericPolicy.preset(policy_name)
+    result = compare(model, policy, policy, n_prompts=32, max_new_tokens=12, engine_batches=batches,
                      schedule=schedule, prefill_chunk=chunk, seed=1)
     for run in result["runs"]:
         assert run["max_abs_logp_diff"] == 0.0, run

@@ -104,3 +104,20 @@ def test_latent_attention_probe_follows_the_mla_form():
         make, fn = _kernels(cfg, NumericPolicy.preset("aligned-bf16").replace(mla=form))["mla_attention"]
         outs[form] = np.asarray(jax.jit(fn)(make(2, 0)), np.float32)
     assert not np.array_equal(outs["expanded"], outs["absorbed"])
+
+
+def test_fp8_policies_are_probed():
+    """An FP8 side adds the block-scaled product to the batch-invariance probes (bitwise under aligned-fp8's
+    tiled kernel, whose claim `check` judges) and checks this backend's e4m3 rounding against ml_dtypes."""
+    from jaxalign.check import _kernels, batch_invariant, probe
+    from jaxalign.model.config import ModelConfig
+    from jaxalign.numerics import NumericPolicy, fp8
+
+    cfg = ModelConfig.preset("tiny")
+    aligned = NumericPolicy.preset("aligned-fp8")
+    assert "fp8_matmul" in _kernels(cfg, aligned) and "fp8_matmul" not in _kernels(cfg, NumericPolicy())
+    assert batch_invariant(aligned)
+    result = probe(cfg, aligned, "fp8_matmul", batches=(1, 3, 8, 13))
+    assert result["bitwise_invariant"] and result["cases"] == 10
+    rounding = fp8.rounding_check()
+    assert rounding["passed"] and rounding["mismatches"] == 0 and rounding["cases"] > 700

@@ -125,19 +125,23 @@ def test_sampling_frequencies_pass_chi_square(kw, expected):
 
 
 @pytest.mark.bitwise
-def test_aligned_request_is_invariant_to_batch_and_slot():
+@pytest.mark.parametrize("policy_name, preset", [pytest.param("aligned-bf16", "small", id="aligned-bf16"),
+                                                 pytest.param("aligned-fp8", "tiny", id="aligned-fp8")])
+def test_aligned_request_is_invariant_to_batch_and_slot(policy_name, preset):
     """A request's completion, logprobs and experts are the same alone, in static batches of 8 and 32, in
-    continuous batching over 3 slots and with a chunked prefill. The model, prompts and settings are those of
-    tests/test_alignment.py's bitwise case (`compare` on `small`: 32 prompts, 12 new tokens, seed 1), whose
-    engine batches and schedules these are, so a run compiles their engine programs once for both claims."""
-    model = build_model("small")
+    continuous batching over 3 slots and with a chunked prefill. The models, prompts and settings are those of
+    tests/test_alignment.py's bitwise cases (`compare`: 32 prompts, 12 new tokens, seed 1; aligned-bf16 on
+    `small`, aligned-fp8 on `tiny`), whose engine batches and schedules these are, so a run compiles their engine
+    programs once for both claims."""
+    aligned = ja.NumericPolicy.preset(policy_name)
+    model = build_model(preset)
     prompts = random_prompts(model.config.vocab_size, 32, 1, max_len=16)
     kw = dict(max_new_tokens=12, temperature=1.0, seed=1)
-    alone = [ja.generate(model, [prompts[i]], ALIGNED, request_ids=[i], batch_size=1, **kw) for i in (0, 5, 31)]
-    runs = [ja.generate(model, prompts, ALIGNED, batch_size=8, **kw),
-            ja.generate(model, prompts, ALIGNED, batch_size=32, **kw),
-            ja.generate(model, prompts, ALIGNED, batch_size=3, schedule="continuous", **kw),
-            ja.generate(model, prompts, ALIGNED, batch_size=8, prefill_chunk=4, **kw)]
+    alone = [ja.generate(model, [prompts[i]], aligned, request_ids=[i], batch_size=1, **kw) for i in (0, 5, 31)]
+    runs = [ja.generate(model, prompts, aligned, batch_size=8, **kw),
+            ja.generate(model, prompts, aligned, batch_size=32, **kw),
+            ja.generate(model, prompts, aligned, batch_size=3, schedule="continuous", **kw),
+            ja.generate(model, prompts, aligned, batch_size=8, prefill_chunk=4, **kw)]
     assert runs[2].stats["compiles"] <= 1
     assert len({len(p) for p in prompts}) > 1  # slots of continuous batching free up at different steps
     for run in runs:

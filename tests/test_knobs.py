@@ -40,6 +40,13 @@ KNOBS = [
     ("mla", "aligned-bf16", "absorbed"),
     ("index_scores_dtype", "fp32", "bf16"),  # on a DSA model (tiny-glm5): bf16 index scores flip selections
     ("index_scores_dtype", "aligned-bf16", "bf16"),
+    # FP8 (numerics/fp8.py): each field alone, on the trainer's base and from the FP8 presets
+    ("weight_quant", "train-bf16", "e4m3:16x16"),
+    ("weight_quant", "aligned-fp8", "e4m3:32x32"),  # block granularity
+    ("act_quant", "train-bf16", "e4m3:16"),
+    ("act_quant", "aligned-fp8", "none"),
+    ("quant_scale", "serve-fp8", "e8m0"),
+    ("kv_quant", "train-bf16", "e4m3"),
 ]
 KNOB_MODELS = {"mla": "tiny-deepseek-v3", "index_scores_dtype": "tiny-glm5"}
 

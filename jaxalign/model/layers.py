@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxalign.numerics import NumericPolicy, as_param
+from jaxalign.numerics import NumericPolicy, as_param, fp8
 from jaxalign.numerics.experts import swiglu
-from jaxalign.numerics.lora import lora_linear
+from jaxalign.numerics.lora import lora_linear, merged_weight
 from jaxalign.numerics.matmul import add_bias, lookup, matmul
 from jaxalign.numerics.reduce import rms_norm
 
@@ -60,7 +60,13 @@ class Linear(nnx.Module):
         self.lora_scale = alpha / rank
 
     def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
-        if self.lora_a is not None:
+        if policy.quantizes_products:
+            w = self.w[...]
+            if self.lora_a is not None and not isinstance(w, fp8.QuantizedWeight):
+                # lora=merged (FP8 refuses unmerged): the merged weight is quantised, as the engine's at its sync
+                w = merged_weight(w, self.lora_a[...], self.lora_b[...], self.lora_scale, policy)
+            y = fp8.linear(x, w, policy)
+        elif self.lora_a is not None:
             y = lora_linear(x, self.w[...], self.lora_a[...], self.lora_b[...], self.lora_scale, policy)
         else:
             y = matmul(x, as_param(self.w[...], policy), policy)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxalign.model.layers import Linear, RMSNorm
 from jaxalign.model.sharding import constrain
-from jaxalign.numerics import NumericPolicy, cast
+from jaxalign.numerics import NumericPolicy, cast, fp8
 from jaxalign.numerics.attention import rope
 from jaxalign.numerics.indexer import index_scores, replayed_keys, select_keys
 from jaxalign.numerics.mla import mla_attention
@@ -90,7 +90,8 @@ class MLAttention(nnx.Module):
         parts = [latent, k_rope]
         if self.indexer is not None:
             parts.append(self.indexer.keys(x, positions, policy))
-        entry = cast(jnp.concatenate(parts, axis=-1), policy.kv_cache_dtype)  # [B, S, rows]
+        entry = jnp.concatenate(parts, axis=-1)  # [B, S, rows]
+        entry = fp8.kv_entries(entry, policy) if policy.kv_quant == "e4m3" else cast(entry, policy.kv_cache_dtype)
         if kv is None:
             cache, k_pos, new_kv = jnp.transpose(entry, (0, 2, 1))[:, None], positions, None
         else:

@@ -92,8 +92,9 @@ class MoE(nnx.Module):
         idx, weights, margin = route(flat, self.router[...], bias, self.cfg, policy,
                                      None if replay is None else replay.reshape(b * s, -1),
                                      None if replay_weights is None else replay_weights.reshape(b * s, -1))
-        y, kept = dispatch(flat, idx, as_param(self.w_gate[...], policy), as_param(self.w_up[...], policy),
-                           as_param(self.w_down[...], policy), policy)
+        # FP8 products take the float32 masters (quantised inside, as the engine quantised them at its sync)
+        weight = (lambda v: v[...]) if policy.quantizes_products else (lambda v: as_param(v[...], policy))  # noqa: E731
+        y, kept = dispatch(flat, idx, weight(self.w_gate), weight(self.w_up), weight(self.w_down), policy)
         out = combine(y, idx, jnp.where(kept, weights, jnp.zeros_like(weights)), self.cfg.n_experts, policy)
         if self.shared is not None:
             shared = self.shared(flat, policy)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxalign.numerics import precision
+from jaxalign.numerics import fp8, precision
 from jaxalign.numerics.collectives import local_reduce
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import as_compute, cast, dtype
@@ -48,7 +48,10 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy
 
 def kv_cache_entries(k: jax.Array, v: jax.Array, policy: NumericPolicy) -> tuple[jax.Array, jax.Array]:
     """Keys (after RoPE) and values as the cache stores them: rounded to `kv_cache_dtype`. The trainer's full
-    forward rounds them the same way, so both sides attend over the same key and value bits."""
+    forward rounds them the same way, so both sides attend over the same key and value bits. Under
+    `kv_quant=e4m3`: rounded to e4m3 per token and kv head first (`fp8.kv_entries`)."""
+    if policy.kv_quant == "e4m3":
+        return fp8.kv_entries(k, policy), fp8.kv_entries(v, policy)
     return cast(k, policy.kv_cache_dtype), cast(v, policy.kv_cache_dtype)
 
 

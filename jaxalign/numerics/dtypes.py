@@ -51,14 +51,3 @@ def as_compute(x: jax.Array, policy: NumericPolicy) -> jax.Array:
 
 
 ROUTER_PARAMS = ("router", "selection_bias")
-
-
-def cast_params(state, policy: NumericPolicy):
-    """Cast every floating leaf of a parameter pytree to the policy's param dtype (done once, at weight sync);
-    router parameters go to the router dtype instead (see `moe.route`)."""
-    def one(path, x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        names = {str(getattr(p, "key", getattr(p, "name", p))) for p in path}
-        return cast(x, policy.router_logits_dtype if names & set(ROUTER_PARAMS) else policy.param_dtype)
-    return jax.tree_util.tree_map_with_path(one, state)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxalign.numerics import precision
+from jaxalign.numerics import fp8, precision
 from jaxalign.numerics.matmul import expert_matmul, gathered_matmul, grouped_matmul
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.dtypes import cast, dtype
@@ -56,11 +56,17 @@ def swiglu(gate: jax.Array, up: jax.Array, policy: NumericPolicy) -> jax.Array:
     return (g * precision.logistic(g, policy)).astype(gate.dtype) * up
 
 
+def _expert_product(policy: NumericPolicy):
+    """The per-expert product: block-scaled FP8 (`fp8.expert_linear`) when the policy quantises, else plain."""
+    return fp8.expert_linear if policy.quantizes_products else expert_matmul
+
+
 def expert_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                policy: NumericPolicy) -> jax.Array:
     """SwiGLU experts on per-expert row blocks: x [E, R, H] -> [E, R, H] (compute dtype)."""
-    hidden = swiglu(expert_matmul(x, w_gate, policy), expert_matmul(x, w_up, policy), policy)
-    return expert_matmul(hidden, w_down, policy)
+    product = _expert_product(policy)
+    hidden = swiglu(product(x, w_gate, policy), product(x, w_up, policy), policy)
+    return product(hidden, w_down, policy)
 
 
 def dispatch(x: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
@@ -97,8 +103,9 @@ def _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy):
     order = jnp.argsort(flat, stable=True)
     rows = x[order // k]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    hidden = swiglu(grouped_matmul(rows, w_gate, sizes, policy), grouped_matmul(rows, w_up, sizes, policy), policy)
-    y_sorted = grouped_matmul(hidden, w_down, sizes, policy)
+    product = fp8.grouped_linear if policy.quantizes_products else grouped_matmul
+    hidden = swiglu(product(rows, w_gate, sizes, policy), product(rows, w_up, sizes, policy), policy)
+    y_sorted = product(hidden, w_down, sizes, policy)
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
 
 

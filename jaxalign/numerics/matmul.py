@@ -58,16 +58,21 @@ def _rows(x2d: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
     impl = select_matmul(policy, x2d.shape[1], w.shape[1], x2d.dtype, platform())
     if impl.kind == "pallas":
         return pallas_matmul(x2d, w, impl.blocks, impl.platform)
-    tile = impl.tile
-    if impl.kind == "xla":
-        return _dot(x2d, w, policy)
+    return row_tiles(x2d, lambda t: _dot(t, w, policy), impl.tile if impl.kind == "lax-tiled" else None)
+
+
+def row_tiles(x2d: jax.Array, product, tile: int | None) -> jax.Array:
+    """product(rows [R, K]) -> [R, N] on x2d [M, K]: whole, or (`tile` T) on zero-padded [T, K] row tiles one at a
+    time (`lax.map`: every row through the same compiled kernel of the same shape, so batch invariant)."""
+    if tile is None:
+        return product(x2d)
     m, k = x2d.shape
     pad = (-m) % tile
     # a whole tile stays on one device: split rows would be multiplied by a smaller kernel, with other bits
     tiles = gather_axes(jnp.pad(x2d, ((0, pad), (0, 0))).reshape(-1, tile, k), (1, 2))
     # ... and its product too (the partitioner may otherwise split the dot by the rows its consumers want)
-    out = gather_axes(lax.map(lambda t: gather_axes(_dot(t, w, policy), (0,)), tiles), (1,))
-    return out.reshape(-1, w.shape[-1])[:m]
+    out = gather_axes(lax.map(lambda t: gather_axes(product(t), (0,)), tiles), (1,))
+    return out.reshape(m + pad, -1)[:m]
 
 
 def matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy, *, operand_dtype: str | None = None,
@@ -86,11 +91,12 @@ def matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy, *, operand_dtype: 
     return cast(y.reshape(lead + (w.shape[-1],)), out_dtype or policy.compute_dtype)
 
 
-def expert_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
-    """Per-expert products: x [E, R, K] @ w [E, K, N] -> [E, R, N] in the compute dtype."""
+def expert_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy, *, out_dtype: str | None = None) -> jax.Array:
+    """Per-expert products: x [E, R, K] @ w [E, K, N] -> [E, R, N] in `out_dtype` (default: the compute dtype)."""
+    one = lambda a, b: matmul(a, b, policy, out_dtype=out_dtype)  # noqa: E731
     if policy.tile_rows is None and policy.pallas_blocks is None:
-        return jax.vmap(lambda a, b: matmul(a, b, policy))(x, w)
-    return lax.map(lambda ab: matmul(ab[0], ab[1], policy), (x, w))
+        return jax.vmap(one)(x, w)
+    return lax.map(lambda ab: one(ab[0], ab[1]), (x, w))
 
 
 def gathered_matmul(x: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
@@ -183,10 +189,11 @@ def _expert_tiles_bwd(policy, n_tiles, residuals, g):
 _expert_tiles.defvjp(_expert_tiles_fwd, _expert_tiles_bwd)
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: NumericPolicy, *,
+                   out_dtype: str | None = None) -> jax.Array:
     """Rows sorted by expert: x [R, K], w [E, K, N], group_sizes [E] -> [R, N] (`lax.ragged_dot` under the xla
     kernel, per-expert [T, K] tiles under `tiled:T` and `pallas:...`; `kernels.select_matmul` chooses the
-    implementation for this platform)."""
+    implementation for this platform), in `out_dtype` (default: the compute dtype)."""
     x = cast(local_reduce(x, policy, (1,)), policy.compute_dtype)
     w = cast(local_reduce(w, policy, (1,)), policy.compute_dtype)
     impl = select_matmul(policy, x.shape[1], w.shape[2], x.dtype, platform(), kernel="grouped_matmul")
@@ -202,7 +209,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, policy: N
             part = cast(precision.ragged_dot(x[:, start:start + ACC_CHUNK], w[:, start:start + ACC_CHUNK],
                                              group_sizes, policy), policy.matmul_acc)
             y = part if y is None else y + part
-    return cast(y, policy.compute_dtype)
+    return cast(y, out_dtype or policy.compute_dtype)
 
 
 def add_bias(y: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:

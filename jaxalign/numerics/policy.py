@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Literal
 
-from jaxalign.numerics.policy_values import Capacity, Chunked, DotAlgorithm, DType, Pallas, Tiled
+from jaxalign.numerics.policy_values import Capacity, Chunked, DotAlgorithm, DType, Fp8Blocks, Fp8Tiles, Pallas, Tiled
 
 DTYPES = tuple(DType)
 
@@ -117,6 +117,20 @@ FIELDS: dict[str, _Field] = {
     "index_scores_dtype": _Field("index", "f32|bf16|f16", _DTYPE,
                                  "dtype of the DSA indexer's q.k scores, head weights and weighted sum, from which "
                                  "its top-k picks the keys each query attends to (DSA models only)"),
+    "weight_quant": _Field("wq", "none|e4m3:RxC (R, C positive ints)", _either(_one_of("none"), _typed(Fp8Blocks)),
+                           "FP8 weights: none, or every linear and expert weight [K, N] rounded (from its float32 "
+                           "master) to float8_e4m3fn in [R, C] blocks with one scale each, re-quantised at every "
+                           "weight sync; products per K block in float32, scaled, summed in block order "
+                           "(jaxalign/numerics/fp8.py; embedding, LM head, router and MLA's kv_b stay unquantised)"),
+    "act_quant": _Field("aq", "none|e4m3:B (B a positive int)", _either(_one_of("none"), _typed(Fp8Tiles)),
+                        "FP8 activations: none, or the input of every quantised-weight product rounded to "
+                        "float8_e4m3fn in 1xB tiles along the contraction, one scale per tile from its own amax"),
+    "quant_scale": _Field("qscale", "f32|e8m0", _one_of("f32", "e8m0"),
+                          "FP8 scale format: f32 = amax / 448; e8m0 = its power-of-two ceiling (exact to apply)"),
+    "kv_quant": _Field("kvq", "none|e4m3", _one_of("none", "e4m3"),
+                       "FP8 KV cache: none, or keys and values rounded to float8_e4m3fn with one scale per token "
+                       "and kv head (MLA: per token over the latent cache row), read back as (value * scale) in "
+                       "kv_cache_dtype"),
 }
 _BY_KEY = {f.key: name for name, f in FIELDS.items()}
 
@@ -154,6 +168,10 @@ class NumericPolicy:
     cross_device: Literal["xla", "ordered"] = "xla"
     mla: Literal["expanded", "absorbed"] = "expanded"
     index_scores_dtype: DType = DType.f32
+    weight_quant: Literal["none"] | Fp8Blocks = "none"
+    act_quant: Literal["none"] | Fp8Tiles = "none"
+    quant_scale: Literal["f32", "e8m0"] = "f32"
+    kv_quant: Literal["none", "e4m3"] = "none"
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():
@@ -172,6 +190,12 @@ class NumericPolicy:
         if self.dispatch == "gather" and (self.batch_invariant_kernel or self.low_precision_accumulation):
             raise ValueError("NumericPolicy.dispatch = 'gather' uses batched vector-matrix products with float32 "
                              "accumulation; it needs matmul_kernel 'xla' and matmul_acc f32 (or a DotAlgorithmPreset)")
+        if self.quantizes_products and (self.dispatch == "gather" or self.lora == "unmerged"
+                                        or self.low_precision_accumulation):
+            raise ValueError(f"NumericPolicy.weight_quant = {self.weight_quant!r} / act_quant = {self.act_quant!r}: "
+                             f"the FP8 products accumulate each block in float32 and run the dense, sorted, "
+                             f"bucketed and capacity dispatches on merged weights; allowed with them: dispatch "
+                             f"other than 'gather', lora 'merged', matmul_acc f32 or a DotAlgorithmPreset")
 
     # --- predicates and derived values the numerics modules read ------------------------------------------
     @property
@@ -198,6 +222,22 @@ class NumericPolicy:
     def rounds_below_f32(self) -> bool:
         """Some field asks for bf16 or f16 (a dtype or a low-precision accumulator)."""
         return any(isinstance(v, DType) and v.is_low_precision for v in (getattr(self, n) for n in FIELDS))
+
+    @property
+    def quantizes_products(self) -> bool:
+        """Some FP8 product field is set (`weight_quant` or `act_quant`): linear and expert products run
+        block-scaled (numerics/fp8.py)."""
+        return self.weight_quant != "none" or self.act_quant != "none"
+
+    @property
+    def weight_blocks(self) -> tuple[int, int] | None:
+        """(R, C) of `weight_quant=e4m3:RxC`, or None."""
+        return (self.weight_quant.rows, self.weight_quant.cols) if isinstance(self.weight_quant, Fp8Blocks) else None
+
+    @property
+    def act_tile(self) -> int | None:
+        """B of `act_quant=e4m3:B`, or None."""
+        return self.act_quant.size if isinstance(self.act_quant, Fp8Tiles) else None
 
     @property
     def tile_rows(self) -> int | None:
@@ -326,6 +366,19 @@ PRESETS: dict[str, NumericPolicy] = {
     # Sorted dispatch runs only the selected experts; under the tiled kernel its bits equal the dense dispatch's.
     "aligned-bf16": _bf16_compute(matmul_kernel="tiled:8", reduction="tree", rope_dtype="bf16",
                                   combine_weight_dtype="bf16", cross_device="ordered", dispatch="sorted"),
+    # FP8 rollouts as verl and slime run them (DeepSeek-style W8A8): the serve-bf16 engine with every linear and
+    # expert weight in e4m3 [16, 16] blocks (128x128 on real models, scaled to the tiny ones' 32-64 wide
+    # matrices), activations in 1x16 e4m3 tiles, f32 scales, and an e4m3 KV cache; trained against a bf16
+    # trainer (train-bf16), which never sees the quantisation.
+    "serve-fp8": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
+                               combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16",
+                               mla="absorbed", weight_quant="e4m3:16x16", act_quant="e4m3:16", kv_quant="e4m3"),
+    # DeepSeek-V4's aligned recipe (verl PR #7688): aligned-bf16 plus the same W8A8 products in the trainer's
+    # forward, quantised from its float32 masters; the gradient reaches the masters straight through (as if
+    # quantisation were the identity: the backward of aligned-bf16's bf16 products). Engine == trainer bitwise.
+    "aligned-fp8": _bf16_compute(matmul_kernel="tiled:8", reduction="tree", rope_dtype="bf16",
+                                 combine_weight_dtype="bf16", cross_device="ordered", dispatch="sorted",
+                                 weight_quant="e4m3:16x16", act_quant="e4m3:16"),
     # What an accelerator does with float32 products left at DEFAULT precision, made explicit for study: one bf16
     # pass (a TPU's DEFAULT), three bf16 passes (a TPU's HIGH), TF32 (an Ampere/Hopper GPU's DEFAULT). XLA:CPU
     # ignores the algorithm (same numbers as fp32) and JAX refuses TF32 on the CPU (docs/policies.md).

@@ -11,6 +11,8 @@ value can be compared with its text anywhere; the parameterised values compare e
 - `Tiled(rows)`, `Pallas(bm, bn, bk)`: the batch-invariant matmul kernels (`"xla"` stays the text "xla").
 - `Chunked(size)`: chunked attention (`"full"` stays "full").
 - `Capacity(factor)`: token-dropping expert dispatch (the other dispatches stay their text).
+- `Fp8Blocks(rows, cols)`: `e4m3:RxC`, FP8 weights in [R, C] blocks of [K, N] (`"none"` stays "none").
+- `Fp8Tiles(size)`: `e4m3:B`, FP8 activations in 1xB tiles along the contraction (`"none"` stays "none").
 Each parser returns None for text that is not of its form; `NumericPolicy` turns that into an error naming the
 field and what it allows.
 """
@@ -158,6 +160,47 @@ class Capacity(_PolicyValue):
         """`Capacity(F)` of `capacity:F` (F a positive float), else None."""
         factor = _positive_suffix(text, "capacity:", float)
         return None if factor is None else cls(factor)
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class Fp8Blocks(_PolicyValue):
+    """`e4m3:RxC`: a weight [K, N] stored as float8_e4m3fn in [R, C] blocks (R along K, C along N), one scale
+    per block (`jaxalign.numerics.fp8`)."""
+
+    rows: int
+    cols: int
+
+    def __str__(self) -> str:
+        return f"e4m3:{self.rows}x{self.cols}"
+
+    @classmethod
+    def parse(cls, text: object) -> "Fp8Blocks | None":
+        """`Fp8Blocks(R, C)` of `e4m3:RxC` (positive ints), else None."""
+        if not isinstance(text, str) or not text.startswith("e4m3:"):
+            return None
+        parts = text[len("e4m3:"):].split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            return None
+        return cls(int(parts[0]), int(parts[1]))
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class Fp8Tiles(_PolicyValue):
+    """`e4m3:B`: an activation [..., K] rounded to float8_e4m3fn in 1xB tiles along K, one scale per tile,
+    computed from the tile itself at run time (`jaxalign.numerics.fp8`)."""
+
+    size: int
+
+    def __str__(self) -> str:
+        return f"e4m3:{self.size}"
+
+    @classmethod
+    def parse(cls, text: object) -> "Fp8Tiles | None":
+        """`Fp8Tiles(B)` of `e4m3:B` (B a positive int), else None."""
+        if not isinstance(text, str) or not text.startswith("e4m3:") or not text[5:].isdigit():
+            return None
+        size = int(text[5:])
+        return cls(size) if size > 0 else None
 
 
 def _positive_suffix(text: object, prefix: str, kind: type):

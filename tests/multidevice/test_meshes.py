@@ -171,6 +171,22 @@ def test_aligned_logprobs_are_bitwise_on_every_mesh(model, spec):
     np.testing.assert_array_equal(np.asarray(token_logprobs(model, tokens, ALIGNED, mesh=make_mesh(spec))[0]), one)
 
 
+@pytest.mark.bitwise
+def test_aligned_fp8_is_bitwise_on_a_mixed_mesh(model):
+    """aligned-fp8 (cross_device=ordered, as aligned-bf16) on data=2,expert=2,tensor=2: the trainer's logprobs and
+    the engine's generation (weights quantised from sharded masters at its sync) are one device's, bit for bit."""
+    fp8 = NumericPolicy.preset("aligned-fp8")
+    mesh = make_mesh("data=2,expert=2,tensor=2")
+    tokens = random_tokens(model.config, 8, 24)
+    one = np.asarray(token_logprobs(model, tokens, fp8)[0])
+    np.testing.assert_array_equal(np.asarray(token_logprobs(model, tokens, fp8, mesh=mesh)[0]), one)
+    kw = dict(max_new_tokens=8, temperature=1.0, seed=5, batch_size=8)
+    alone = generate(model, _prompts(model.config), fp8, **kw)
+    sharded = generate(model, _prompts(model.config), fp8, mesh=mesh, **kw)
+    np.testing.assert_array_equal(sharded.tokens, alone.tokens)
+    np.testing.assert_array_equal(sharded.logprobs, alone.logprobs)
+
+
 @pytest.mark.parametrize("spec", ["tensor=8", "expert=8", "data=8", "fsdp=4,tensor=2",
                                   pytest.param("data=2,expert=2,tensor=2", marks=pytest.mark.bitwise)])
 def test_aligned_gradients_are_bitwise_on_every_mesh(model, spec):
