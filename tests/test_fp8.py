@@ -211,17 +211,17 @@ def test_merged_lora_adapters_are_quantised_with_their_weight():
     """lora=merged under aligned-fp8: the engine (merged at its sync, then quantised) and the trainer (merging and
     quantising inside its forward) hold the same e4m3 weights: same logits, bit for bit."""
     from jaxalign.engine.engine import Engine
-    from jaxalign.model.scoring import _forward
+    from jaxalign.model.scoring import jitted_forward
 
     from conftest import build_lora_model
     model = build_lora_model("tiny")
     policy = NumericPolicy.preset("aligned-fp8")
     tokens = jnp.asarray(random_tokens(model.config, 3, 12, seed=2))
     engine = Engine(model, policy)
-    masters = np.asarray(_forward(engine.graphdef, nnx.state(model), tokens, None, None, policy=policy)[0])
-    synced = np.asarray(_forward(engine.graphdef, engine.state, tokens, None, None, policy=policy)[0])
+    masters = np.asarray(jitted_forward(engine.graphdef, nnx.state(model), tokens, None, None, policy=policy)[0])
+    synced = np.asarray(jitted_forward(engine.graphdef, engine.state, tokens, None, None, policy=policy)[0])
     np.testing.assert_array_equal(synced, masters)
-    bf16 = np.asarray(_forward(engine.graphdef, nnx.state(model), tokens, None, None,
+    bf16 = np.asarray(jitted_forward(engine.graphdef, nnx.state(model), tokens, None, None,
                                policy=NumericPolicy.preset("aligned-bf16"))[0])
     assert not np.array_equal(masters, bf16)  # the adapted layers did run in FP8
 
