@@ -51,7 +51,7 @@ def test_compare_json_reports_each_batch():
     (("compare", "--model", "huge"), "or one of tiny, small"),
     (("compare", "--engine-batch", "0"), "positive ints"),
     (("localize", "--attribute", "fields,layers"), "expected one or more of fields, parts, modules"),
-    (("experiment", "countdown", "--sft-answers", "habit:1.5", "--out", "unused"), "habit:P with 0 <= P <= 1"),
+    (("experiment", "countdown", "--sft-answers", "habit:1.5", "--out", "unused"), "habit:P[:OP] with 0 <= P <= 1"),
 ])
 def test_bad_arguments_explain_themselves(args, needle):
     proc = _run(*args, check=False)

@@ -1,5 +1,6 @@
 """Countdown: generator, TinyZero-equivalent scoring without eval, fuzzing, tokenizer."""
 
+import itertools
 from fractions import Fraction
 
 import pytest
@@ -80,3 +81,42 @@ def test_tokenizer_round_trip_and_vocabulary():
 def test_parser_uses_exact_rationals():
     parser = countdown._Parser("1/3+1/3+1/3")
     assert parser.parse() == Fraction(1)
+
+
+def test_the_held_out_split_is_never_drawn_for_training_and_is_the_whole_evaluation():
+    """A hashed split of (sorted numbers, target): every evaluation problem is held out, no training draw of
+    any seed or step is (a reordering of) one, the split is the same for every seed, and it holds about the
+    requested fraction of the problem space."""
+    from jaxalign.rl.task import CountdownTask
+
+    task = CountdownTask(count=(2, 2), high=20, eval_size=10_000, held_out=0.2)
+    evals = task.eval_items(seed=0)
+    assert evals == task.eval_items(seed=7)
+    key = lambda p: (tuple(sorted(p.numbers)), p.target)  # noqa: E731
+    held = {key(p) for p in evals}
+    assert len(held) == len(evals)  # distinct problems
+    space = {(n, t) for n in itertools.combinations_with_replacement(range(1, 21), 2)
+             for t in countdown.reachable_targets(n, 99)}
+    assert held == {k for k in space if countdown.is_held_out(k[0], k[1], 0.2)}  # the whole split
+    assert 0.15 < len(held) / len(space) < 0.25
+    for p in evals:
+        assert countdown.score(p.numbers, p.target, f"<answer>{p.solution}</answer>") == 1.0
+    drawn = {key(p) for seed in range(3) for step in range(60) for p in task.train_items(step, 16, seed)}
+    assert drawn and not drawn & held
+    assert len(drawn | held) > 0.9 * len(space)  # training covers the rest of the space
+    # a smaller eval_size takes the split's first problems; held_out = 0 keeps seed-drawn evaluation
+    assert CountdownTask(count=(2, 2), high=20, eval_size=5, held_out=0.2).eval_items(0) == evals[:5]
+    old = CountdownTask(count=(2, 2), high=20, eval_size=50)
+    assert old.eval_items(0) != old.eval_items(1)
+    with pytest.raises(ValueError, match="held_out"):
+        CountdownTask(held_out=1.0)
+
+
+def test_a_held_out_split_of_a_large_space_is_sampled_and_still_disjoint_from_training():
+    problems = countdown.held_out_problems(0.1, count=(3, 3), high=60, limit=40)
+    assert len({(tuple(sorted(p.numbers)), p.target) for p in problems}) == 40
+    assert all(countdown.is_held_out(p.numbers, p.target, 0.1) for p in problems)
+    train = countdown.generate_problems(300, seed=1, count=(3, 3), high=60, held_out=0.1)
+    assert not any(countdown.is_held_out(p.numbers, p.target, 0.1) for p in train)
+    with pytest.raises(ValueError, match="limit"):
+        countdown.held_out_problems(0.1, count=(3, 3), high=60)

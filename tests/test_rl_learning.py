@@ -91,7 +91,9 @@ def test_habit_answers_are_the_solution_with_probability_p_else_the_sum_in_order
     from_solution = [m == s for m, s, h in zip(mixed, answers[1.0], answers[0.0]) if s != h]
     assert all(m in (s, h) for m, s, h in zip(mixed, answers[1.0], answers[0.0]))
     assert 0.22 < np.mean(from_solution) < 0.38  # P = 0.3 over ~300 problems whose habit is wrong
-    assert parse_answers("habit:0.25") == ("habit", 0.25)
-    for bad in ("habit", "habit:x", "habit:1.5", "habit:-0.1", "habbit:0.3"):
+    assert parse_answers("habit:0.25") == ("habit", 0.25, "+")
+    assert parse_answers("habit:0.25:/") == ("habit", 0.25, "/")
+    assert habit_expression((12, 5), "/") == "12/5"
+    for bad in ("habit", "habit:x", "habit:1.5", "habit:-0.1", "habbit:0.3", "habit:0.3:%", "habit:0.3:++"):
         with pytest.raises(ValueError, match="habit:P"):
             SFTConfig(answers=bad)

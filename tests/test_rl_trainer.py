@@ -12,6 +12,8 @@ from jaxalign.model.config import ModelConfig
 from jaxalign.model.transformer import Transformer
 from jaxalign.rl.grpo import GRPOConfig
 from jaxalign.rl.sft import warm_start
+from jaxalign.numerics import NumericPolicy
+from jaxalign.rl import tokenizer
 from jaxalign.rl.trainer import RLConfig, Trainer
 
 from rl_settings import SFT, rl_config, strip_timing
@@ -91,6 +93,18 @@ def test_aligned_arm_is_exactly_on_policy_and_misaligned_is_not(base, tmp_path):
     mis = Trainer(_model(base), _config(trainer_policy="train-bf16", engine_policy="serve-bf16"),
                   str(tmp_path / "misaligned")).run(progress=False)
     assert all(r["rollout_corr/max_abs_logp_diff"] > 0 for r in mis if r["step"] > 0)
+    # held-out evaluation decodes under the trainer's policy, whatever the engine: the misaligned arm's warm-start
+    # evaluation is that of a run whose engine is its trainer's policy, and not its serve-bf16 engine's
+    own = Trainer(_model(base), _config(trainer_policy="train-bf16", engine_policy="train-bf16"),
+                  str(tmp_path / "train-bf16"))
+    assert mis[0]["eval_reward"] == own.evaluate() and own.eval_engine is own.engine
+    probe = Trainer(_model(base), _config(trainer_policy="train-bf16", engine_policy="serve-bf16"),
+                    str(tmp_path / "probe"))
+    assert probe.eval_engine.policy == NumericPolicy.parse("train-bf16")
+    prompts = [probe.task.prompt(p) for p in probe.eval_items[:8]]
+    greedy = [e.generate(prompts, max_new_tokens=6, temperature=0.0, eos_id=tokenizer.EOS).logprobs
+              for e in (probe.eval_engine, probe.engine)]
+    assert not np.array_equal(*greedy)  # the two engines do compute differently
     with open(tmp_path / "aligned" / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [0, 1, 2, 3, 4]
     assert os.listdir(tmp_path / "aligned" / "tb")

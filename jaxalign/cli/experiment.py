@@ -19,6 +19,16 @@ def _arms(args):
     return parse_arms(tuple(args.arm) if args.arm else field_default(ExperimentConfig, "arms"))
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed a fraction 0 <= F < 1, e.g. 0.15")
+    return value
+
+
 def _count_range(text: str) -> tuple[int, int]:
     try:
         lo, _, hi = text.partition("-")
@@ -43,7 +53,7 @@ def run(args) -> int:
                            ppo_epochs=args.ppo_epochs, is_threshold=args.is_threshold, rs=args.rs,
                            eval_every=args.eval_every,
                            eval_problems=args.eval_problems, problem_count=tuple(args.problem_count),
-                           max_target=args.max_target,
+                           max_number=args.max_number, max_target=args.max_target, held_out=args.held_out,
                            sft=SFTConfig(steps=args.sft_steps, problems=args.sft_problems,
                                          problem_count=tuple(args.problem_count),
                                          max_new_tokens=args.max_new_tokens, answers=args.sft_answers),
@@ -88,6 +98,7 @@ def add_parser(sub) -> None:
                        ("max_new_tokens", "most tokens of an answer"),
                        ("eval_every", "RL steps between held-out evaluations"),
                        ("eval_problems", "held-out problems per evaluation"),
+                       ("max_number", "largest number of a problem (numbers lie in 1..N)"),
                        ("max_target", "largest target number of a problem")):
         e.add_argument("--" + name.replace("_", "-"), type=positive_int, default=exp(name), help=what)
     e.add_argument("--learning-rate", type=float, default=exp("learning_rate"), help="AdamW learning rate of RL")
@@ -99,6 +110,10 @@ def add_parser(sub) -> None:
                         "(empty string: none)")
     e.add_argument("--problem-count", type=_count_range, default=_count_text(exp("problem_count")),
                    help="how many numbers a problem has: N or MIN-MAX within 2..4")
+    e.add_argument("--held-out", type=_fraction, default=exp("held_out"),
+                   help="fraction of the problem space held out for evaluation (a hashed split training never "
+                        "draws from; evaluation is the split's first --eval-problems); 0: evaluation problems come "
+                        "from other seeds and may repeat training problems")
     e.add_argument("--sft-steps", type=int, default=field_default(SFTConfig, "steps"),
                    help="supervised warm-start steps before RL")
     e.add_argument("--sft-problems", type=positive_int, default=field_default(SFTConfig, "problems"),
@@ -106,7 +121,8 @@ def add_parser(sub) -> None:
     e.add_argument("--sft-answers", type=checked_text(parse_sft_answers), default=field_default(SFTConfig, "answers"),
                    help=f"warm-start answers, one of {', '.join(SFT_ANSWERS)}: brute-force solutions; random "
                         "well-formed expressions (RL must then learn correctness); or the solution with "
-                        "probability P, else the habit a+b+... (greedy answers the habit, samples hold solutions)")
+                        "probability P, else the habit a OP b OP ... (OP + unless given; greedy answers the habit, samples "
+                        "hold solutions)")
     e.add_argument("--out", required=True, help="output directory (resumes runs found there)")
     add_json_arg(e)
     add_mesh_args(e)

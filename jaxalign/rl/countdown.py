@@ -31,7 +31,9 @@ Deliberate differences (each pinned by a test; TinyZero's verdict differs only o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import math
 import random
 import re
 from fractions import Fraction
@@ -98,21 +100,85 @@ def solve(numbers, target) -> str | None:
 
 
 def generate_problems(n: int, seed: int, *, count=(3, 3), low: int = 1, high: int = 9,
-                      max_target: int = 99) -> list[Problem]:
+                      max_target: int = 99, held_out: float = 0.0) -> list[Problem]:
     """`n` solvable problems with `count` (min, max) numbers in [low, high] and integer targets in
-    [1, max_target]; deterministic in `seed`."""
-    if not 2 <= count[0] <= count[1] <= 4 or low < 0 or high < low:
-        raise ValueError(f"count {count} must be within 2..4 and low <= high (got low={low}, high={high})")
+    [1, max_target]; deterministic in `seed`. With `held_out` > 0, problems of the held-out split
+    (`is_held_out`) are never drawn: they belong to evaluation."""
+    check_ranges(count, low, high)
     rng = random.Random(seed)
     out = []
     while len(out) < n:
         numbers = tuple(rng.randint(low, high) for _ in range(rng.randint(*count)))
-        values = [v for v, _ in _expressions([(Fraction(x), "") for x in numbers])]
-        targets = sorted({int(v) for v in values if v.denominator == 1 and 1 <= v <= max_target})
+        targets = reachable_targets(numbers, max_target)
         if not targets:
             continue
         target = rng.choice(targets)
+        if held_out and is_held_out(numbers, target, held_out):
+            continue
         out.append(Problem(numbers, target, solve(numbers, target)))
+    return out
+
+
+def check_ranges(count, low: int, high: int) -> None:
+    """ValueError unless 2 <= count[0] <= count[1] <= 4 and 0 <= low <= high."""
+    if not 2 <= count[0] <= count[1] <= 4 or low < 0 or high < low:
+        raise ValueError(f"count {count} must be within 2..4 and low <= high (got low={low}, high={high})")
+
+
+def reachable_targets(numbers, max_target: int) -> list[int]:
+    """The integer targets in [1, max_target] that some expression over all of `numbers` reaches, sorted."""
+    values = [v for v, _ in _expressions([(Fraction(x), "") for x in numbers])]
+    return sorted({int(v) for v in values if v.denominator == 1 and 1 <= v <= max_target})
+
+
+def is_held_out(numbers, target: int, fraction: float) -> bool:
+    """Whether the problem (the multiset of `numbers`, `target`) lies in the held-out split holding `fraction` of
+    all problems: a hash of the sorted numbers and the target, so a problem and its reorderings fall on the same
+    side, on every host and Python (sha256, not `hash`)."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"held-out fraction {fraction}; allowed: 0 <= fraction < 1")
+    key = ",".join(map(str, sorted(numbers))) + f"={target}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") < fraction * 2.0 ** 64
+
+
+MAX_ENUMERATED = 20_000  # number multisets enumerated for a held-out split; larger spaces are sampled
+
+
+def held_out_problems(fraction: float, *, count=(3, 3), low: int = 1, high: int = 9, max_target: int = 99,
+                      limit: int | None = None) -> list[Problem]:
+    """The held-out split's problems (`is_held_out`), in a fixed pseudo-random order (numbers shuffled within each
+    problem, as training draws them); all of them, or the first `limit`. Spaces of more than `MAX_ENUMERATED`
+    number multisets are sampled instead (seeded; `limit` distinct problems, required then)."""
+    check_ranges(count, low, high)
+    if fraction <= 0:
+        raise ValueError(f"held-out fraction {fraction}; allowed: > 0 for a held-out split")
+    sizes = [math.comb(high - low + k, k) for k in range(count[0], count[1] + 1)]
+    found = {}
+    if sum(sizes) <= MAX_ENUMERATED:
+        for k in range(count[0], count[1] + 1):
+            for numbers in itertools.combinations_with_replacement(range(low, high + 1), k):
+                for target in reachable_targets(numbers, max_target):
+                    if is_held_out(numbers, target, fraction):
+                        found[(numbers, target)] = None
+    else:
+        if limit is None:
+            raise ValueError(f"the problem space has {sum(sizes)} number multisets (> {MAX_ENUMERATED}); give a "
+                             f"limit to sample the held-out split")
+        rng, tries = random.Random(0), 0
+        while len(found) < limit and tries < 10_000 * limit:
+            tries += 1
+            numbers = tuple(sorted(rng.randint(low, high) for _ in range(rng.randint(*count))))
+            targets = reachable_targets(numbers, max_target)
+            if targets:
+                target = rng.choice(targets)
+                if is_held_out(numbers, target, fraction):
+                    found[(numbers, target)] = None
+    keys = sorted(found, key=lambda key: hashlib.sha256(repr(key).encode()).digest())
+    out = []
+    for numbers, target in keys[:limit]:
+        order = list(numbers)
+        random.Random(repr((numbers, target))).shuffle(order)
+        out.append(Problem(tuple(order), target, solve(order, target)))
     return out
 
 

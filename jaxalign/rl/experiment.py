@@ -51,13 +51,18 @@ class ExperimentConfig:
     eval_every: int = 10
     eval_problems: int = 128
     problem_count: tuple[int, int] = (2, 2)
+    max_number: int = 9  # problems' numbers lie in 1..max_number
     max_target: int = 99
-    sft: SFTConfig = SFTConfig()
+    held_out: float = 0.0  # > 0: that fraction of the problem space is the held-out split (CountdownTask)
+    sft: SFTConfig = SFTConfig()  # its problem space (count, numbers, targets, held-out split) is the experiment's
     trainer_mesh: str = ""  # e.g. "data=2,expert=2,tensor=2"; "" = one device
     engine_mesh: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "arms", parse_arms(self.arms))
+        object.__setattr__(self, "sft", dataclasses.replace(
+            self.sft, problem_count=tuple(self.problem_count), max_number=self.max_number,
+            max_target=self.max_target, held_out=self.held_out))
         if not self.seeds:
             raise ValueError("at least one seed is needed")
         if len(set(self.seeds)) != len(self.seeds):
@@ -83,8 +88,8 @@ class ExperimentConfig:
 
     def task(self) -> CountdownTask:
         """The Countdown task every arm trains on."""
-        return CountdownTask(count=tuple(self.problem_count), max_target=self.max_target,
-                             eval_size=self.eval_problems)
+        return CountdownTask(count=tuple(self.problem_count), high=self.max_number, max_target=self.max_target,
+                             eval_size=self.eval_problems, held_out=self.held_out)
 
 
 def run_config(exp: ExperimentConfig, arm: Arm, seed: int) -> RLConfig:

@@ -36,7 +36,10 @@ class SFTConfig:
     max_new_tokens: int = 14
     policy: NumericPolicy = NumericPolicy.preset("fp32")  # a policy string is accepted and parsed
     problem_count: tuple[int, int] = (2, 2)
-    answers: str = "habit:0.3"  # "solution", "random" or "habit:P" (see ANSWERS)
+    answers: str = "habit:0.3"  # "solution", "random" or "habit:P[:OP]" (see ANSWERS)
+    max_number: int = 9  # problems' numbers lie in 1..max_number
+    max_target: int = 99
+    held_out: float = 0.0  # the task's held-out fraction: the warm start never trains on a held-out problem
 
     def __post_init__(self):
         object.__setattr__(self, "policy", NumericPolicy.coerce(self.policy, label="SFTConfig.policy"))
@@ -56,32 +59,36 @@ class SFTConfig:
 # What the warm start is trained to answer:
 # - "solution": the brute-force solution (the model learns to solve);
 # - "random": a random well-formed expression over the numbers (format only; right by chance);
-# - "habit:P": the solution with probability P, else the habit expression, the numbers in the given order joined by
-#   "+" (`habit_expression`). The model learns to solve *and* a habit that greedy decoding prefers whenever P < 1/2,
+# - "habit:P[:OP]": the solution with probability P, else the habit expression, the numbers in the given order joined
+#   by OP (one of + - * /; default +; `habit_expression`). The model learns to solve *and* a habit that greedy decoding prefers whenever P < 1/2,
 #   so its greedy answers are mostly the habit while the solution is among its samples: the regime in which RL on
 #   a pretrained model raises greedy reward (it moves probability onto answers the model can already produce).
-ANSWERS = ("solution", "random", "habit:P")
+ANSWERS = ("solution", "random", "habit:P[:OP]")
+HABIT_OPS = "+-*/"
 
 
-def parse_answers(answers: str) -> tuple[str, float]:
-    """("solution" | "random" | "habit", P): the mode and, for habit, the probability of the solution."""
+def parse_answers(answers: str) -> tuple[str, float, str]:
+    """("solution" | "random" | "habit", P, OP): the mode and, for habit, the probability of the solution and the
+    habit's operator ("+" unless given)."""
     if answers in ("solution", "random"):
-        return answers, 1.0 if answers == "solution" else 0.0
-    mode, _, share = answers.partition(":")
+        return answers, 1.0 if answers == "solution" else 0.0, "+"
+    mode, _, rest = answers.partition(":")
+    share, _, op = rest.partition(":")
     try:
         probability = float(share)
     except ValueError:
         probability = -1.0
-    if mode != "habit" or not 0.0 <= probability <= 1.0:
-        raise ValueError(f"SFTConfig.answers = {answers!r}; allowed: solution, random, habit:P with 0 <= P <= 1 "
-                         f"(e.g. habit:0.3)")
-    return mode, probability
+    op = op or "+"
+    if mode != "habit" or not 0.0 <= probability <= 1.0 or op not in HABIT_OPS or len(op) != 1:
+        raise ValueError(f"SFTConfig.answers = {answers!r}; allowed: solution, random, habit:P[:OP] with "
+                         f"0 <= P <= 1 and OP one of {' '.join(HABIT_OPS)} (e.g. habit:0.3 or habit:0.3:/)")
+    return mode, probability, op
 
 
-def habit_expression(numbers) -> str:
-    """The warm start's habit: the numbers in the order given, joined by "+" (right only when that sum is the
-    target)."""
-    return "+".join(str(n) for n in numbers)
+def habit_expression(numbers, op: str = "+") -> str:
+    """The warm start's habit: the numbers in the order given, joined by `op` (right only when that expression
+    happens to be the target: often for +, rarely for /)."""
+    return op.join(str(n) for n in numbers)
 
 
 def random_expression(numbers, rng: np.random.Generator) -> str:
@@ -99,9 +106,10 @@ def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
     """Token sequences [N, W] (prompt + answer + </answer> + eos; the answer as `cfg.answers` says: see ANSWERS)
     and the mask of target positions [N, W-1]."""
     width = PROMPT_WIDTH + cfg.max_new_tokens
-    problems = countdown.generate_problems(cfg.problems, seed=cfg.seed, count=cfg.problem_count)
+    problems = countdown.generate_problems(cfg.problems, seed=cfg.seed, count=cfg.problem_count,
+                                           high=cfg.max_number, max_target=cfg.max_target, held_out=cfg.held_out)
     rng = np.random.default_rng(cfg.seed)
-    mode, solution_share = parse_answers(cfg.answers)
+    mode, solution_share, habit_op = parse_answers(cfg.answers)
     tokens = np.zeros((len(problems), width), np.int32)
     mask = np.zeros((len(problems), width - 1), bool)
     for i, p in enumerate(problems):
@@ -109,7 +117,7 @@ def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
         if mode == "random":
             text = random_expression(p.numbers, rng)
         elif mode == "habit" and rng.random() >= solution_share:
-            text = habit_expression(p.numbers)
+            text = habit_expression(p.numbers, habit_op)
         else:
             text = p.solution
         answer = tokenizer.encode(text + "</answer>", eos=True)

@@ -8,6 +8,7 @@ trainer knows nothing else about the task; another task plugs in by implementing
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol, Sequence
 
 from jaxalign.rl import countdown, tokenizer
@@ -34,13 +35,24 @@ class Task(Protocol):
         """The settings that define the task (JSON-ready; recorded in the run directory)."""
 
 
+@functools.lru_cache(maxsize=8)
+def _held_out(fraction, count, low, high, max_target, limit) -> list[countdown.Problem]:
+    return countdown.held_out_problems(fraction, count=count, low=low, high=high, max_target=max_target,
+                                       limit=limit)
+
+
 PROMPT_WIDTH = 24  # every Countdown prompt (<bos> + up to 4 numbers + target) fits
 
 
 @dataclasses.dataclass(frozen=True)
 class CountdownTask:
     """Countdown with `count` = (min, max) numbers in [low, high] and targets up to `max_target`. The prompt ends
-    with the opening <answer> tag, so the completion is the expression and its closing tag."""
+    with the opening <answer> tag, so the completion is the expression and its closing tag.
+
+    `held_out` > 0 splits the problem space (`countdown.is_held_out`: that fraction of all (numbers, target)
+    problems, by a hash): training never draws a held-out problem, and evaluation is the held-out split (all of
+    it, or its first `eval_size` problems), the same for every seed. `held_out` = 0 keeps the older evaluation,
+    problems drawn from seeds disjoint from training's, which can repeat training problems in a small space."""
 
     count: tuple[int, int] = (3, 3)
     low: int = 1
@@ -48,24 +60,31 @@ class CountdownTask:
     max_target: int = 99
     eval_size: int = 64
     prompt_width: int = PROMPT_WIDTH
+    held_out: float = 0.0
 
     def __post_init__(self):
         countdown.generate_problems(1, seed=0, count=tuple(self.count), low=self.low, high=self.high,
                                     max_target=self.max_target)  # validates the ranges
+        if not 0.0 <= self.held_out < 1.0:
+            raise ValueError(f"held_out = {self.held_out}; allowed: 0 <= held_out < 1 (the held-out fraction)")
         if self.eval_size < 1:
             raise ValueError(f"eval_size = {self.eval_size}; allowed: >= 1")
 
     def _problems(self, n: int, seed: int) -> list[countdown.Problem]:
         return countdown.generate_problems(n, seed=seed, count=tuple(self.count), low=self.low, high=self.high,
-                                           max_target=self.max_target)
+                                           max_target=self.max_target, held_out=self.held_out)
 
     def train_items(self, step: int, n: int, seed: int) -> list[countdown.Problem]:
         """`n` problems for `step` (seed * 100003 + step seeds the generator)."""
         return self._problems(n, seed * 100_003 + step)
 
     def eval_items(self, seed: int) -> list[countdown.Problem]:
-        """`eval_size` held-out problems (generator seed 1000003 + seed; disjoint seeds from training)."""
-        return self._problems(self.eval_size, 1_000_003 + seed)
+        """The held-out split (its first `eval_size` problems; every seed the same) when `held_out` > 0, else
+        `eval_size` problems from generator seed 1000003 + seed (disjoint seeds from training's)."""
+        if self.held_out:
+            return _held_out(self.held_out, tuple(self.count), self.low, self.high, self.max_target, self.eval_size)
+        return countdown.generate_problems(self.eval_size, seed=1_000_003 + seed, count=tuple(self.count),
+                                           low=self.low, high=self.high, max_target=self.max_target)
 
     def prompt(self, item: countdown.Problem) -> list[int]:
         """<bos> + "numbers=target:<answer>"."""

@@ -223,6 +223,9 @@ class Trainer:
             self.params = on_first_device(self.params)
         nnx.update(self.model, self.params)
         self.engine = Engine(model, config.engine_policy, mesh=engine_mesh)  # from the placed weights
+        # greedy evaluation decodes under the trainer's policy, so every arm of an experiment is scored alike
+        self.eval_engine = (self.engine if config.engine_policy == config.trainer_policy
+                            else Engine(model, config.trainer_policy, mesh=engine_mesh))
         # the frozen reference for the optional KL penalty: the weights the run starts from
         self.reference = (nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.params))
                           if config.grpo.kl_coef > 0 else None)
@@ -373,8 +376,11 @@ class Trainer:
                 "route_token_any_flip": rollout_metrics["route_token_any_flip"]}
 
     def evaluate(self) -> float:
-        """Mean reward of greedy completions on the held-out items."""
-        rollout = self.engine.generate([self.task.prompt(p) for p in self.eval_items],
+        """Mean reward of greedy completions on the held-out items, decoded under the trainer's policy (the same
+        numerics for every arm whatever its engine)."""
+        if self.eval_engine is not self.engine:
+            self.eval_engine.sync_weights(self.model)
+        rollout = self.eval_engine.generate([self.task.prompt(p) for p in self.eval_items],
                                        max_new_tokens=self.config.max_new_tokens, temperature=0.0,
                                        eos_id=tokenizer.EOS, batch_size=self.config.engine_batch)
         # in float64: a float32 mean's last bit depends on where each reward sits, so the same rewards in another
