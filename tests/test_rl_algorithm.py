@@ -130,3 +130,30 @@ def test_policy_loss_sums_in_the_policys_order(loss_agg):
         *jax.jit(lambda lp, w: (lp / scale, w / scale))(logp, weights))
     for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(apart)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_random_drop_control_drops_that_fraction_of_rows_whatever_the_gap():
+    """`correction=drop:F` (the study's control): round(F * B) whole sequences rejected, no IS weights, the
+    choice fixed by the batch (same batch, same rows) and unrelated to which rows have the largest gap."""
+    from jaxalign.rl.arms import correction_settings
+    from jaxalign.rl.correction import CorrectionConfig, correct
+
+    rng = np.random.default_rng(0)
+    mode, cfg = correction_settings("drop:0.45", CorrectionConfig())
+    assert cfg.random_drop == 0.45 and cfg.is_level == "none" and cfg.rs == ()
+    dropped_big_gap = []
+    for trial in range(40):
+        lo = rng.normal(-1.0, 0.3, (32, 10))
+        lr = lo + rng.normal(0, 0.05, (32, 10)) * (np.arange(32) >= 16)[:, None]  # rows 16.. carry the gap
+        mask = np.ones((32, 10), bool)
+        weights, accept, metrics = correct(lo, lr, mask, cfg)
+        assert np.all(weights == 1.0)
+        rows_kept = accept.all(1)
+        assert np.array_equal(accept, rows_kept[:, None] & mask) and (~rows_kept).sum() == 14  # round(0.45 * 32)
+        assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == 14 / 32
+        assert np.array_equal(correct(lo, lr, mask, cfg)[1], accept)
+        dropped_big_gap.append((~rows_kept[16:]).sum() / 14)
+    assert 0.35 < np.mean(dropped_big_gap) < 0.65  # not the rows with the gap, as rejection sampling would pick
+    for bad in ("drop:0", "drop:1", "drop:x", "drop:0.5+tis"):
+        with pytest.raises(ValueError, match="drop"):
+            correction_settings(bad, CorrectionConfig())

@@ -13,6 +13,8 @@ Correction modes (how the PPO loss treats the trainer/engine gap):
   number of `rs:RULE` rejection rules (`rs:seq_mean_k1:0.999_1.001` is verl's geometric RS; see
   `correction.RS_MODES`), e.g. `tis:2+rs:seq_mean_k1:0.999_1.001`.
 - `bypass[+rs:RULE...]`: the PPO ratio is taken against the engine's logprobs (pi_old := pi_rollout).
+- `drop:F`: a control, no correction: a fraction F of each batch's sequences dropped at random
+  (`correction.random_keep`), to tell what rejection sampling's selection does from what its smaller batch does.
 - omitted: the experiment's default (`--is-threshold` / `--rs`).
 
 Replay: `none`, `r2` (the trainer's old-policy pass routes for the update), `r3` (the engine's routes); the modes
@@ -88,6 +90,14 @@ def correction_settings(text: str | None, default: CorrectionConfig) -> tuple[st
     parts = [p.strip() for p in text.split("+")]
     if parts == ["none"]:
         return DECOUPLED, CorrectionConfig(is_level="none", rs=())
+    if len(parts) == 1 and parts[0].startswith("drop:"):
+        try:
+            fraction = float(parts[0][5:])
+        except ValueError:
+            fraction = -1.0
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"correction {text!r}: drop takes a fraction 0 < F < 1, e.g. drop:0.45")
+        return DECOUPLED, CorrectionConfig(is_level="none", rs=(), random_drop=fraction)
     mode = DECOUPLED
     if parts[0] == BYPASS:
         mode, parts = BYPASS, parts[1:]
@@ -106,7 +116,7 @@ def correction_settings(text: str | None, default: CorrectionConfig) -> tuple[st
             if kind != "icepop" and "_" in threshold:
                 raise ValueError(f"correction {text!r}: {kind} takes a cap C, e.g. {kind}:2.0")
         else:
-            raise ValueError(f"correction {text!r}: unknown part {part!r}; allowed: none, bypass[+rs:RULE...], or "
+            raise ValueError(f"correction {text!r}: unknown part {part!r}; allowed: none, drop:F, bypass[+rs:RULE...], or "
                              f"+-joined tis[:C], seq-tis[:C], icepop[:LO_HI], rs:RULE")
     return mode, CorrectionConfig(is_level=is_level, is_threshold=threshold, rs=tuple(rs),
                                   normalize_weights=default.normalize_weights)

@@ -34,6 +34,7 @@ exp(padding) * 0, NaN where the padding is NaN. Valid tokens' weights never depe
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import numpy as np
@@ -73,8 +74,11 @@ class CorrectionConfig:
     is_threshold: str = "2.0"
     rs: tuple[str, ...] = ()
     normalize_weights: bool = False
+    random_drop: float = 0.0  # a control, not verl's: drop this fraction of sequences at random (`random_keep`)
 
     def __post_init__(self):
+        if not 0.0 <= self.random_drop < 1.0:
+            raise ValueError(f"random_drop = {self.random_drop}; allowed: a fraction 0 <= F < 1")
         if self.is_level not in IS_LEVELS:
             raise ValueError(f"is_level = {self.is_level!r}; allowed: {', '.join(IS_LEVELS)}")
         if "_" in self.is_threshold:
@@ -194,6 +198,17 @@ def _rule(mode: str, threshold: str, log_ratio: np.ndarray, mask: np.ndarray) ->
     return keep, {k: float(v) for k, v in stats.items()}
 
 
+def random_keep(log_ratio: np.ndarray, fraction: float) -> np.ndarray:
+    """Rows [B] kept by the random-drop control: round(fraction * B) rows dropped, chosen without regard to the
+    trainer-engine gap -- what rejection sampling does to the batch size, without its selection. The choice is
+    seeded by a hash of the batch's bytes (deterministic for a deterministic run, different every step)."""
+    rows = log_ratio.shape[0]
+    seed = int.from_bytes(hashlib.sha256(np.ascontiguousarray(log_ratio).tobytes()).digest()[:8], "little")
+    keep = np.ones(rows, bool)
+    keep[np.random.default_rng(seed).permutation(rows)[: int(round(fraction * rows))]] = False
+    return keep
+
+
 def correct(logp_old, logp_rollout, mask, cfg: CorrectionConfig) -> tuple[np.ndarray, np.ndarray, dict]:
     """IS weights [B, S] (0 on padding; not zeroed where rejected), the accepted-token mask [B, S] (valid and
     kept by every rejection rule) and verl-named metrics (`rollout_corr/...`). See the module docstring."""
@@ -235,6 +250,8 @@ def correct(logp_old, logp_rollout, mask, cfg: CorrectionConfig) -> tuple[np.nda
             metrics[f"rollout_rs_{mode}_masked_fraction"] = float(_masked_mean(~rule_keep, mask))
             metrics[f"rollout_rs_{mode}_seq_masked_fraction"] = (
                 float(np.sum(rejected.any(1) & valid_rows) / valid_rows.sum()))
+        if cfg.random_drop:
+            keep &= random_keep(log_ratio, cfg.random_drop)[:, None]
         accept = keep & mask
         metrics["rollout_rs_masked_fraction"] = float(_masked_mean(~keep, mask))
         metrics["rollout_rs_seq_masked_fraction"] = float(np.mean((~keep & mask).any(1)))
