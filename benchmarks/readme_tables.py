@@ -2,7 +2,7 @@
 
 - `gap`: the trainer-engine gap without training (benchmarks/results/gap_table.json, `python benchmarks/gap_table.py`);
 - `demo`: `jaxalign demo`'s summary (benchmarks/results/demo.json, recorded from a demo run with `--demo DIR`);
-- `study`: the three-seed gap study (docs/study.json, `jaxalign experiment countdown --study gap`).
+- `study`: the seed-regime study (docs/study/study.json, `jaxalign experiment study --out docs/study --report`).
 
     python benchmarks/readme_tables.py                  # rewrite the tables in README.md
     python benchmarks/readme_tables.py --check          # exit 1 when README.md's tables differ from the data
@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 README = os.path.join(ROOT, "README.md")
 SOURCES = {"gap": "benchmarks/results/gap_table.json", "demo": "benchmarks/results/demo.json",
-           "study": "docs/study.json"}
+           "study": "docs/study/study.json"}
 MARKER = re.compile(r"<!-- table:(\w+) -->\n.*?<!-- /table:\1 -->", re.S)
 
 
@@ -98,16 +98,22 @@ def demo_table(record: dict) -> str:
 
 
 def study_table(record: dict) -> str:
-    """One row per arm of the gap study: the measured gap against final reward, collapses and rejections."""
-    header = ["arm", "gap (k3)", "final reward", "peak reward", "collapsed seeds", "tokens rejected",
-              "gradient norm", "router decisions flipped"]
-    rows = [[r["arm"], _fmt(r["gap_k3"]), f"{_reward(r['final_reward'])} ± {_reward(r['final_reward_std'])}",
-             _reward(r["peak_reward"]), r["collapsed_seeds"], _pct(r["rejected_fraction"]), _fmt(r["mean_grad_norm"]),
-             _pct(r["route_flip_rate"])] for r in record["rows"]]
-    cfg = record["config"]
-    note = (f"_Means over seeds {', '.join(map(str, cfg['seeds']))} (± the spread over seeds), {cfg['steps']} steps "
-            f"each; from `{SOURCES['study']}`._")
+    """One row per arm of the seed-regime study: its engine's dose, finished seeds, held-out reward from the warm
+    start to the end, collapsed seeds and the tests against the aligned arm."""
+    header = ["arm", "engine dose (k3)", "seeds", "held-out reward: start -> final", "collapsed", "p (collapse)",
+              "final vs aligned", "p (final)", "sequences rejected"]
+    rows = [[r["arm"], _fmt(r["dose_k3"]), str(r["seeds"]),
+             f"{_reward(r['warm_start_reward'])} -> {_reward(r['final_reward'])} ± {_reward(r['final_reward_std'])}",
+             r["collapsed_seeds"], _fmt(r.get("collapse_p")), _signed(r.get("final_vs_aligned")),
+             _fmt(r.get("final_p")), _pct(r["rejected_fraction"])] for r in record["rows"]]
+    exp = record["settings"]["experiment"]
+    note = (f"_Trainer `{record['settings']['trainer']}` in every arm; {exp['steps']} steps; means over the finished "
+            f"seeds of {len(exp['seeds'])} planned ({record['runs_finished']} runs); from `{SOURCES['study']}`._")
     return _markdown(header, rows) + "\n\n" + note
+
+
+def _signed(value) -> str:
+    return "-" if value is None else f"{value:+.3f}"
 
 
 RENDERERS = {"gap": gap_table, "demo": demo_table, "study": study_table}

@@ -236,9 +236,23 @@ def test_kv_quant_rounds_keys_and_values_per_token_and_head():
     np.testing.assert_array_equal(got, np.asarray(jnp.asarray(ref.astype(np.float32), jnp.bfloat16), np.float64))
 
 
+def test_kv_quant_e5m2_is_a_direct_cast_as_vllms_fp8_e5m2_cache():
+    import ml_dtypes
+    policy = NumericPolicy.parse("train-bf16,kvq=e5m2")
+    rng = np.random.default_rng(6)
+    k = (rng.standard_normal((2, 3, 2, 8)) * np.float32(10.0) ** rng.integers(-3, 4, (2, 3, 2, 1))).astype(np.float32)
+    k[0, 0, 0, :2] = [1e6, -1e6]  # saturates, as a cast with clipping does
+    got = np.asarray(jax.jit(lambda a: fp8.kv_entries(a, policy))(k), np.float64)
+    ref = np.clip(k, -57344.0, 57344.0).astype(ml_dtypes.float8_e5m2).astype(np.float32)
+    np.testing.assert_array_equal(got, np.asarray(jnp.asarray(ref, jnp.bfloat16), np.float64))
+    e4m3 = np.asarray(fp8.kv_entries(jnp.asarray(k), NumericPolicy.parse("train-bf16,kvq=e4m3")), np.float64)
+    small = np.abs(k) < 1e4
+    assert np.abs(got - k)[small].mean() > 2 * np.abs(e4m3 - k)[small].mean()  # 2 mantissa bits against 3
+
+
 @pytest.mark.parametrize("text, needle", [
     ("train-bf16,wq=e4m3:16", "wq"), ("train-bf16,aq=e4m3:0", "aq"), ("train-bf16,qscale=ue8m0", "qscale"),
-    ("train-bf16,kvq=e5m2", "kvq"), ("train-bf16,wq=e4m3:16x16,dispatch=gather", "gather"),
+    ("train-bf16,kvq=e3m4", "kvq"), ("train-bf16,wq=e4m3:16x16,dispatch=gather", "gather"),
     ("serve-fp8,lora=unmerged", "lora"), ("serve-fp8,matmul=bf16", "matmul_acc")])
 def test_bad_fp8_policies_are_refused_naming_the_field(text, needle):
     with pytest.raises(ValueError, match=needle):

@@ -47,6 +47,8 @@ KNOBS = [
     ("act_quant", "aligned-fp8", "none"),
     ("quant_scale", "serve-fp8", "e8m0"),
     ("kv_quant", "train-bf16", "e4m3"),
+    ("kv_quant", "serve-fp8", "e5m2"),
+    ("logit_scale", "serve-bf16", "1.05"),  # the synthetic study knob
 ]
 KNOB_MODELS = {"mla": "tiny-deepseek-v3", "index_scores_dtype": "tiny-glm5"}
 

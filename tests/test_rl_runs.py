@@ -150,13 +150,6 @@ def test_metrics_log_keeps_exactly_the_rows_up_to_the_restored_step(tmp_path):
     assert [r["step"] for r in log.resume(0)] == [0]
 
 
-def test_the_gap_ladder_parses_and_names_each_arm_once():
-    from jaxalign.rl.study import LADDER, ladder_arms
-    arms = parse_arms(ladder_arms())
-    assert len(arms) == 2 * len(LADDER) - 1  # the aligned rung once: correction is a no-op there
-    assert {a.correction for a in arms} == {"none", "tis:2+rs:seq_mean_k1:0.999_1.001"}
-
-
 def test_collapse_is_a_lasting_fall_below_half_the_best_trailing_reward():
     from jaxalign.rl.study import collapse_step
     rise = [0.2] * 10 + [0.8] * 20

@@ -1,8 +1,9 @@
-"""`jaxalign experiment countdown`: GRPO on Countdown, one arm per numeric set-up (and `--study gap`)."""
+"""`jaxalign experiment countdown` (GRPO on Countdown, one arm per numeric set-up) and `jaxalign experiment study`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from jaxalign import report
 from jaxalign.cli.args import (add_json_arg, add_mesh_args, checked_text, field_default, int_list_nonneg,
@@ -10,7 +11,7 @@ from jaxalign.cli.args import (add_json_arg, add_mesh_args, checked_text, field_
 from jaxalign.rl.arms import GRAMMAR, parse_arms
 from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
 from jaxalign.rl.sft import ANSWERS as SFT_ANSWERS, SFTConfig, parse_answers as parse_sft_answers
-from jaxalign.rl.study import STUDY_SEEDS, STUDY_STEPS, run_study, study_markdown
+from jaxalign.rl.study import StudyConfig, default_experiment, run_study, study_markdown, write_report
 
 
 def _arms(args):
@@ -41,13 +42,8 @@ def _count_range(text: str) -> tuple[int, int]:
 
 
 def run(args) -> int:
-    """Run the experiment (or the study) into --out and print its summary."""
-    study = args.study is not None
-    steps = args.steps if args.steps is not None else (STUDY_STEPS if study else field_default(ExperimentConfig,
-                                                                                                "steps"))
-    seeds = tuple(args.seeds) if args.seeds is not None else (STUDY_SEEDS if study else field_default(
-        ExperimentConfig, "seeds"))
-    exp = ExperimentConfig(arms=_arms(args), seeds=seeds, steps=steps, model=args.model,
+    """Run the experiment into --out and print its summary."""
+    exp = ExperimentConfig(arms=_arms(args), seeds=tuple(args.seeds), steps=args.steps, model=args.model,
                            prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                            max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
                            ppo_epochs=args.ppo_epochs, is_threshold=args.is_threshold, rs=args.rs,
@@ -59,11 +55,7 @@ def run(args) -> int:
                                          max_new_tokens=args.max_new_tokens, answers=args.sft_answers),
                            trainer_mesh=args.trainer_mesh or "", engine_mesh=args.engine_mesh or "")
     output_dir(args.out)  # a file or an unwritable place fails here, after the settings are checked
-    if args.study:
-        result = run_study(exp, args.out, progress=not args.json, arms=exp.arms if args.arm else None)
-        print(report.to_json(result) if args.json else study_markdown(result))
-        return 0
-    summary = run_experiment(exp, args.out, progress=not args.json)
+    summary = run_experiment(exp, args.out, progress=not args.json, jobs=args.jobs)
     if args.json:
         print(report.to_json(summary))
         return 0
@@ -82,17 +74,13 @@ def add_parser(sub) -> None:
     e.add_argument("--arm", action="append", default=[], metavar="SPEC",
                    help=f"an arm, repeatable: {GRAMMAR} (policies may contain commas; see jaxalign.rl.arms); "
                         f"default: {' and '.join(exp('arms'))}")
-    e.add_argument("--study", choices=("gap",), default=None,
-                   help="gap: the dose-response study over a ladder of engine policies, with and without "
-                        "correction (--arm then replaces the ladder; default: none, the arms alone)")
     e.add_argument("--model", type=model_preset, default=exp("model"),
                    help="model preset (a preset only: the run builds it, warm-starts it and trains it); its "
                         "vocabulary must hold the Countdown tokenizer's, e.g. tiny-glm5, tiny-deepseek-v3")
-    e.add_argument("--steps", type=positive_int, default=None,
-                   help=f"RL steps of each run (default {exp('steps')}; the study: {STUDY_STEPS})")
-    e.add_argument("--seeds", type=int_list_nonneg, default=None,
-                   help=f"seeds, one run of each arm per seed, e.g. 0,1,2 (default {_ints_text(exp('seeds'))}; the "
-                        f"study: {_ints_text(STUDY_SEEDS)})")
+    e.add_argument("--steps", type=positive_int, default=exp("steps"), help="RL steps of each run")
+    e.add_argument("--seeds", type=int_list_nonneg, default=_ints_text(exp("seeds")),
+                   help="seeds, one run of each arm per seed, e.g. 0,1,2")
+    add_jobs_arg(e)
     for name, what in (("prompts_per_step", "Countdown problems per RL step"),
                        ("group_size", "answers sampled per problem (the GRPO group)"),
                        ("max_new_tokens", "most tokens of an answer"),
@@ -127,6 +115,46 @@ def add_parser(sub) -> None:
     add_json_arg(e)
     add_mesh_args(e)
     e.set_defaults(func=run)
+    add_study_parser(esub)
+
+
+def add_jobs_arg(parser) -> None:
+    """--jobs: runs at once, each in its own process."""
+    parser.add_argument("--jobs", type=positive_int, default=1,
+                        help="runs at once, each in its own process (results are identical to one at a time)")
+
+
+def run_study_command(args) -> int:
+    """Run (or only report, --report) the seed-regime study in --out and print its table and verdict."""
+    if args.report:
+        result = write_report(args.out)
+    else:
+        exp = default_experiment()
+        exp = dataclasses.replace(exp, seeds=tuple(args.seeds) if args.seeds is not None else exp.seeds,
+                                  steps=args.steps or exp.steps)
+        output_dir(args.out)
+        result = run_study(StudyConfig(experiment=exp), args.out, progress=not args.json, jobs=args.jobs,
+                           only=tuple(args.only) if args.only else None)
+    print(report.to_json(result) if args.json else study_markdown(result))
+    return 0
+
+
+def add_study_parser(esub) -> None:
+    """`jaxalign experiment study`: the seed-regime study (jaxalign.rl.study)."""
+    exp = default_experiment()
+    s = esub.add_parser("study", help="the seed-regime study: engines calibrated to k3 doses at the warm start, "
+                                      "one trainer policy, corrected / R3 / random-drop / aligned-fp8 arms, seeds")
+    s.add_argument("--out", required=True, help="study directory (resumes runs found there)")
+    s.add_argument("--seeds", type=int_list_nonneg, default=None,
+                   help=f"seeds (default {_ints_text(exp.seeds)})")
+    s.add_argument("--steps", type=positive_int, default=None, help=f"RL steps of each run (default {exp.steps})")
+    s.add_argument("--only", type=str_list, default=None,
+                   help="run only these arms (comma-separated names, as study.md lists them); default: all")
+    s.add_argument("--report", action="store_true",
+                   help="train nothing: rebuild study.json, study.md and the plots from the directory's files")
+    add_jobs_arg(s)
+    add_json_arg(s)
+    s.set_defaults(func=run_study_command)
 
 
 def _ints_text(values) -> str:

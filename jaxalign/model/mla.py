@@ -91,7 +91,7 @@ class MLAttention(nnx.Module):
         if self.indexer is not None:
             parts.append(self.indexer.keys(x, positions, policy))
         entry = jnp.concatenate(parts, axis=-1)  # [B, S, rows]
-        entry = fp8.kv_entries(entry, policy) if policy.kv_quant == "e4m3" else cast(entry, policy.kv_cache_dtype)
+        entry = fp8.kv_entries(entry, policy) if policy.kv_quant != "none" else cast(entry, policy.kv_cache_dtype)
         if kv is None:
             cache, k_pos, new_kv = jnp.transpose(entry, (0, 2, 1))[:, None], positions, None
         else:

@@ -138,6 +138,8 @@ class Transformer(nnx.Module):
             logits = self.embed.attend(x, head)
         else:
             logits = matmul(x, as_param(self.lm_head.w[...], head), head, out_dtype=head.logits_dtype)
+        if head.logit_scale != 1.0:  # the synthetic engine-side gap (policy field logit_scale)
+            logits = logits * jnp.asarray(head.logit_scale, logits.dtype)
         logits = constrain(logits, ("batch", "seq", "act_vocab"))
         record = RoutingRecord(indices=jnp.stack([r[0] for r in records], axis=2),
                                weights=jnp.stack([r[1] for r in records], axis=2),

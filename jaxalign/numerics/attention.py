@@ -49,8 +49,8 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy
 def kv_cache_entries(k: jax.Array, v: jax.Array, policy: NumericPolicy) -> tuple[jax.Array, jax.Array]:
     """Keys (after RoPE) and values as the cache stores them: rounded to `kv_cache_dtype`. The trainer's full
     forward rounds them the same way, so both sides attend over the same key and value bits. Under
-    `kv_quant=e4m3`: rounded to e4m3 per token and kv head first (`fp8.kv_entries`)."""
-    if policy.kv_quant == "e4m3":
+    `kv_quant`: rounded to FP8 first (`fp8.kv_entries`)."""
+    if policy.kv_quant != "none":
         return fp8.kv_entries(k, policy), fp8.kv_entries(v, policy)
     return cast(k, policy.kv_cache_dtype), cast(v, policy.kv_cache_dtype)
 

@@ -24,7 +24,7 @@ the one place they are computed:
   The result is cast to the compute dtype.
 - **Gradient** (trainer): straight through to the master weight and the unquantised input -- the VJP of the
   unquantised product `matmul(x, as_param(w))` of the same policy (as if both quantisations were the identity).
-- **KV cache** (`kv_quant=e4m3`): keys (after RoPE) and values quantised per token and kv head over head_dim
+- **KV cache** (`kv_quant=e4m3`; `e5m2`: a direct cast without scales, as vLLM's `fp8_e5m2` cache): keys (after RoPE) and values quantised per token and kv head over head_dim
   (MLA: per token over its latent cache row), stored as e4m3 * scale rounded to `kv_cache_dtype`: the engine's
   cache and the trainer's full forward hold the same values. vLLM's FP8 KV cache uses per-tensor scales (or
   per-attention-head ones, calibrated offline); per-token-per-head dynamic scales need no calibration and suit
@@ -146,9 +146,16 @@ def quantize_tiles(x: jax.Array, tile: int, scale_format: str) -> tuple[jax.Arra
     return to_e4m3(x, jnp.repeat(scales, tile, axis=-1)[..., :k]), scales
 
 
+E5M2 = jnp.float8_e5m2
+E5M2_MAX = 57344.0
+
+
 def kv_entries(x: jax.Array, policy: NumericPolicy) -> jax.Array:
-    """Keys or values [..., D] as an e4m3 KV cache stores them (one scale per leading index, i.e. per token and
-    kv head), read back as value * scale rounded to `kv_cache_dtype`."""
+    """Keys or values [..., D] as an FP8 KV cache stores them, read back in `kv_cache_dtype`: under
+    `kv_quant=e4m3` with one scale per leading index (per token and kv head), value * scale; under `e5m2` cast
+    directly, no scale (vLLM's `fp8_e5m2` cache; saturated to +-57344, nearest even)."""
+    if policy.kv_quant == "e5m2":
+        return cast(jnp.clip(x.astype(jnp.float32), -E5M2_MAX, E5M2_MAX).astype(E5M2), policy.kv_cache_dtype)
     q, scales = quantize_tiles(x, x.shape[-1], policy.quant_scale)
     return cast(q.astype(jnp.float32) * scales, policy.kv_cache_dtype)
 

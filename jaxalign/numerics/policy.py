@@ -43,6 +43,15 @@ def _either(*parsers: Callable[[object], Any]) -> Callable[[object], Any]:
     return parse
 
 
+def _logit_scale(value) -> float | None:
+    """A float in (0, 4] (text or number), or None."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if 0.0 < number <= 4.0 else None
+
+
 _DTYPE = _typed(DType)
 _F32_ONLY = lambda v: DType.f32 if v == "f32" else None  # noqa: E731
 
@@ -127,10 +136,15 @@ FIELDS: dict[str, _Field] = {
                         "float8_e4m3fn in 1xB tiles along the contraction, one scale per tile from its own amax"),
     "quant_scale": _Field("qscale", "f32|e8m0", _one_of("f32", "e8m0"),
                           "FP8 scale format: f32 = amax / 448; e8m0 = its power-of-two ceiling (exact to apply)"),
-    "kv_quant": _Field("kvq", "none|e4m3", _one_of("none", "e4m3"),
-                       "FP8 KV cache: none, or keys and values rounded to float8_e4m3fn with one scale per token "
-                       "and kv head (MLA: per token over the latent cache row), read back as (value * scale) in "
-                       "kv_cache_dtype"),
+    "kv_quant": _Field("kvq", "none|e4m3|e5m2", _one_of("none", "e4m3", "e5m2"),
+                       "FP8 KV cache: none; e4m3 = keys and values rounded to float8_e4m3fn with one scale per "
+                       "token and kv head (MLA: per token over the latent cache row), read back as (value * scale) "
+                       "in kv_cache_dtype; e5m2 = cast to float8_e5m2 without a scale, as vLLM's fp8_e5m2 cache "
+                       "does (2 mantissa bits; saturated to +-57344)"),
+    "logit_scale": _Field("logit_scale", "a float in (0, 4]", _logit_scale,
+                          "SYNTHETIC, not a number format: the LM head's logits multiplied by this factor (1 = off), "
+                          "i.e. sampling at another temperature -- a controllable engine-side gap for studying doses "
+                          "that FP8 does not reach on a small model (jaxalign.rl.study); never part of a preset"),
 }
 _BY_KEY = {f.key: name for name, f in FIELDS.items()}
 
@@ -171,7 +185,8 @@ class NumericPolicy:
     weight_quant: Literal["none"] | Fp8Blocks = "none"
     act_quant: Literal["none"] | Fp8Tiles = "none"
     quant_scale: Literal["f32", "e8m0"] = "f32"
-    kv_quant: Literal["none", "e4m3"] = "none"
+    kv_quant: Literal["none", "e4m3", "e5m2"] = "none"
+    logit_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():

@@ -111,28 +111,60 @@ def experiment_record(exp: ExperimentConfig) -> dict:
     return rundir.make_record({"experiment": exp.to_dict()})
 
 
-def run_arms(exp: ExperimentConfig, out_dir: str, *, progress: bool = True, what: str = "experiment") -> dict:
+def run_one(exp: ExperimentConfig, arm: Arm, seed: int, out_dir: str, progress: bool = False) -> list[dict]:
+    """One arm and seed from the experiment's (cached) warm start, resumed where it stopped; a run whose
+    `metrics.jsonl` is complete is read, not rebuilt (`rundir.finished_rows`)."""
+    run_dir = os.path.join(out_dir, arm.name, f"seed{seed}")
+    done = rundir.finished_rows(run_dir, exp.steps)
+    if done is not None:
+        return done
+    base = warm_start(ModelConfig.preset(exp.model), exp.sft, os.path.join(out_dir, "cache"), progress=False)
+    # the trainer copies the model: every arm and seed starts from the same warm start
+    return Trainer(base, run_config(exp, arm, seed), run_dir, task=exp.task()).run(progress=progress)
+
+
+def run_arms(exp: ExperimentConfig, out_dir: str, *, progress: bool = True, what: str = "experiment",
+             jobs: int = 1, claim: bool = True, order: str = "arms") -> dict:
     """Run (or resume) every arm and seed; {(arm name, seed): metrics rows}. A directory holding another
-    configuration's experiment is refused before anything runs."""
+    configuration's experiment is refused before anything runs (`claim`; False when the caller claimed it).
+    `jobs` > 1 runs that many at once, each in its own process (results are identical: each run is deterministic
+    and owns its directory). `order`: "arms" (arm by arm) or "priority" (the first two arms at every seed, then
+    seed by seed), the order in which a long study is most useful when stopped part way."""
     from tqdm import tqdm
 
-    rundir.claim(out_dir, experiment_record(exp), what=what)
-    model_config = ModelConfig.preset(exp.model)
-    base = warm_start(model_config, exp.sft, os.path.join(out_dir, "cache"), progress=progress)
-    task = exp.task()
-    jobs = [(arm, seed) for arm in exp.parsed_arms() for seed in exp.seeds]
+    if jobs < 1:
+        raise ValueError(f"jobs = {jobs}; allowed: >= 1")
+    if claim:
+        rundir.claim(out_dir, experiment_record(exp), what=what)
+    warm_start(ModelConfig.preset(exp.model), exp.sft, os.path.join(out_dir, "cache"), progress=progress)
+    arms = exp.parsed_arms()
+    if order == "priority":
+        todo = ([(a, s) for s in exp.seeds for a in arms[:2]] + [(a, s) for s in exp.seeds for a in arms[2:]])
+    else:
+        todo = [(arm, seed) for arm in arms for seed in exp.seeds]
     runs = {}
-    for arm, seed in tqdm(jobs, desc="runs", disable=not progress or len(jobs) == 1):
-        # the trainer copies the model: every arm and seed starts from the same warm start
-        trainer = Trainer(base, run_config(exp, arm, seed), os.path.join(out_dir, arm.name, f"seed{seed}"),
-                          task=task)
-        runs[(arm.name, seed)] = trainer.run(progress=progress)
-    return runs
+    bar = tqdm(total=len(todo), desc="runs", disable=not progress or len(todo) == 1)
+    if jobs == 1:
+        for arm, seed in todo:
+            runs[(arm.name, seed)] = run_one(exp, arm, seed, out_dir, progress=progress)
+            bar.update(1)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(run_one, exp, arm, seed, out_dir): (arm.name, seed) for arm, seed in todo}
+            for future in futures:  # in submission order; a failed run raises here, naming nothing lost
+                runs[futures[future]] = future.result()
+                bar.update(1)
+    bar.close()
+    return {key: runs[key] for key in sorted(runs, key=lambda k: (
+        [a.name for a in arms].index(k[0]), k[1]))}
 
 
-def run_experiment(exp: ExperimentConfig, out_dir: str, *, progress: bool = True) -> dict:
-    """Run every arm and seed (resuming finished or interrupted runs), then write the summary and plots."""
-    runs = run_arms(exp, out_dir, progress=progress)
+def run_experiment(exp: ExperimentConfig, out_dir: str, *, progress: bool = True, jobs: int = 1) -> dict:
+    """Run every arm and seed (resuming finished or interrupted runs; `jobs` at once), then write the summary
+    and plots."""
+    runs = run_arms(exp, out_dir, progress=progress, jobs=jobs)
     summary = summarize(runs, exp)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -159,3 +159,18 @@ class MetricsLog:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def finished_rows(run_dir: str, steps: int) -> list[dict] | None:
+    """A finished run's metrics rows (its `metrics.jsonl` reaches step `steps`, every line whole and the steps
+    0..steps each once), read without building anything; None for a run that is missing or unfinished. A study
+    committed without checkpoints is read (and skipped by a resumed study) through this."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path) or not os.path.exists(os.path.join(run_dir, "run.json")):
+        return None
+    with open(path) as f:
+        text = f.read()
+    if not text.endswith("\n"):
+        return None
+    rows = [json.loads(line) for line in text.splitlines()]
+    return rows if [r["step"] for r in rows] == list(range(steps + 1)) else None
