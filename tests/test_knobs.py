@@ -91,7 +91,7 @@ def test_knob_changes_numbers_and_restores(field, base_name, value):
     tokens = random_tokens(model.config, 4, 32, seed=3)
     base = NumericPolicy.preset(base_name)
     flipped = base.replace(**{field: value})
-    assert base.diff(flipped) == [(field, getattr(base, field), value)]
+    assert base.diff(flipped) == [(field, str(getattr(base, field)), value)]
     before = np.asarray(forward_logits(model, tokens, base)[0])
     after = np.asarray(forward_logits(model, tokens, flipped)[0])
     restored = np.asarray(forward_logits(model, tokens, NumericPolicy.parse(str(flipped)).replace(
@@ -114,7 +114,7 @@ def test_layout_knob_changes_the_program_and_restores(field, base_name, value):
     tokens = random_tokens(model.config, 4, 32, seed=3)
     base = NumericPolicy.preset(base_name)
     flipped = base.replace(**{field: value})
-    assert base.diff(flipped) == [(field, getattr(base, field), value)]
+    assert base.diff(flipped) == [(field, str(getattr(base, field)), value)]
     graphdef, state = nnx.split(model)
     program = lambda p: jitted_forward.lower(graphdef, state, jnp.asarray(tokens), None, None,  # noqa: E731
                                        policy=p).as_text()

@@ -92,6 +92,15 @@ def test_the_report_is_rebuilt_from_the_files_alone_and_its_verdict_follows_the_
     assert (out / "study_reward.png").exists() and "## Verdict" in (out / "study.md").read_text()
 
 
+def test_doses_prefer_a_realistic_engine_within_a_factor_two():
+    cands = [{"name": n, "kind": k, "k3": v, "engine": "serve-fp8"} for n, k, v in (
+        ("fp8", "fp8", 1.1e-3), ("syn-a", "fp8+synthetic", 1.0e-3), ("syn-b", "fp8+synthetic", 6e-3),
+        ("syn-c", "fp8+synthetic", 2.6e-2), ("bf16", "bf16", 0.0))]
+    doses = study.choose_doses({"candidates": cands}, (1e-3, 1e-2, 3e-2))
+    assert [d["name"] for d in doses] == ["fp8", "syn-b", "syn-c"]
+    assert doses[0]["off_by"] == pytest.approx(1.1)
+
+
 def test_study_arms_vary_only_the_engine_except_the_fix():
     doses = [{"target": t, "name": n, "engine": e, "kind": "fp8", "k3": k, "reject_band": "0.98_1.02",
               "rejected_seq_fraction": 0.4375}
@@ -111,8 +120,8 @@ def test_study_arms_vary_only_the_engine_except_the_fix():
 
 def test_a_tiny_study_calibrates_runs_in_parallel_like_serially_and_reports(tmp_path):
     exp = ExperimentConfig(arms=("aligned",), seeds=(0,), steps=2, prompts_per_step=2, group_size=2,
-                           max_new_tokens=8, eval_every=1, eval_problems=8, problem_count=(2, 2), held_out=0.2,
-                           sft=SFTConfig(steps=2, problems=64, max_new_tokens=8))
+                           max_new_tokens=16, eval_every=1, eval_problems=8, problem_count=(2, 2), held_out=0.2,
+                           sft=SFTConfig(steps=2, problems=64, max_new_tokens=16))
     cfg = study.StudyConfig(experiment=exp, candidates=(("serve-bf16", "serve-bf16", "bf16"),
                                                         ("fp8", "serve-fp8", "fp8")), calibration_problems=2)
     out = str(tmp_path / "study")

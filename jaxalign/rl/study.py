@@ -65,7 +65,7 @@ CANDIDATES = (
     # FP8 reaches k3 ~1e-3 on this model; beyond it, the FP8 engine plus the synthetic `logit_scale` (its logits
     # scaled, i.e. sampling at another temperature), marked as such wherever a dose is reported
     *((f"w16-a16-kv4+logits{s}", f"serve-fp8,logit_scale={s}", "fp8+synthetic") for s in
-      ("0.95", "0.9", "0.85", "0.8", "0.7", "0.6")),
+      ("0.95", "0.9", "0.85", "0.8", "0.75", "0.7", "0.6")),
 )
 
 
@@ -132,7 +132,8 @@ def calibrate(model, study: StudyConfig) -> dict:
         metrics = mismatch_metrics(lt, le, mask)
         seq_k1 = np.abs([np.mean(le[i][mask[i]] - lt[i][mask[i]]) for i in range(len(items)) if mask[i].any()])
         half_width = float(np.quantile(seq_k1, 1.0 - study.reject_target))
-        band = f"{math.exp(-half_width):.6g}_{math.exp(half_width):.6g}"
+        # written with enough digits, rounded outward, so a sequence at the quantile stays inside the band
+        band = f"{math.exp(-half_width) * (1 - 1e-9):.12g}_{math.exp(half_width) * (1 + 1e-9):.12g}"
         _, accept, corr = correct(lt, le, mask, CorrectionConfig(is_level="token", rs=(f"seq_mean_k1:{band}",)))
         rows.append({"name": name, "engine": engine, "kind": kind, "k3": metrics["k3_kl"], "kl": metrics["kl"],
                      "max_abs_logp_diff": metrics["max_abs_logp_diff"],
@@ -141,12 +142,16 @@ def calibrate(model, study: StudyConfig) -> dict:
     return {"trainer": study.trainer, "samples": len(items), "candidates": rows}
 
 
-def choose_doses(calibration: dict, targets) -> list[dict]:
-    """For each target k3, the candidate nearest in log distance (its measured k3 and how far off it is)."""
+def choose_doses(calibration: dict, targets, *, within: float = 2.0) -> list[dict]:
+    """For each target k3, the realistic candidate (kind without "synthetic") nearest in log distance when one
+    lies within a factor `within` of it, else the nearest candidate of any kind; with its measured k3 and how far
+    off it is."""
     usable = [c for c in calibration["candidates"] if c["k3"] > 0]
+    distance = lambda c, target: abs(math.log(c["k3"] / target))  # noqa: E731
     doses = []
     for target in targets:
-        best = min(usable, key=lambda c: abs(math.log(c["k3"] / target)))
+        real = [c for c in usable if "synthetic" not in c["kind"] and distance(c, target) <= math.log(within)]
+        best = min(real or usable, key=lambda c: distance(c, target))
         doses.append({"target": target, **best, "off_by": best["k3"] / target})
     return doses
 
