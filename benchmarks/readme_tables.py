@@ -101,7 +101,7 @@ def study_table(record: dict) -> str:
     """One row per arm of the seed-regime study: its engine's dose, finished seeds, held-out reward from the warm
     start to the end, collapsed seeds and the tests against the aligned arm."""
     header = ["arm", "engine dose (k3)", "seeds", "held-out reward: start -> final", "collapsed", "p (collapse)",
-              "final vs aligned", "p (final)", "sequences rejected"]
+              "final vs aligned", "p (final)", "tokens rejected"]
     rows = [[r["arm"], _fmt(r["dose_k3"]), str(r["seeds"]),
              f"{_reward(r['warm_start_reward'])} -> {_reward(r['final_reward'])} ± {_reward(r['final_reward_std'])}",
              r["collapsed_seeds"], _fmt(r.get("collapse_p")), _signed(r.get("final_vs_aligned")),
