@@ -93,7 +93,7 @@ def test_a_changed_result_changes_the_readme_table(tmp_path):
     study.write_text(json.dumps(record))
     text = _readme()
     changed = readme_tables.render(text, root=str(tmp_path))
-    assert changed != text and "| 0.123 ± " in changed
+    assert changed != text and "-> 0.123 ± " in changed
 
 
 def test_readme_test_command_is_the_one_ci_runs():
