@@ -113,9 +113,10 @@ def calibrate(model, study: StudyConfig) -> dict:
     """Every candidate engine's gap to the trainer at the warm start, on the task's first training prompts
     (`calibration_problems` problems x group_size samples at temperature 1, as step 1 draws them): k3, k1 and the
     rejection band that rejects `reject_target` of the sequences (geometric: `seq_mean_k1` in [1/u, u])."""
-    from jaxalign.align.compare import score_rollout
     from jaxalign.engine import Engine
     from jaxalign.metrics.mismatch import mismatch_metrics
+    from jaxalign.metrics.routing import routing_metrics
+    from jaxalign.model.scoring import token_logprobs
     from jaxalign.rl import tokenizer
     from jaxalign.rl.correction import CorrectionConfig, correct
 
@@ -127,8 +128,11 @@ def calibrate(model, study: StudyConfig) -> dict:
     for name, engine, kind in study.candidates:
         rollout = Engine(model, NumericPolicy.parse(engine)).generate(
             prompts, max_new_tokens=exp.max_new_tokens, temperature=1.0, eos_id=tokenizer.EOS, seed=0)
-        scored = score_rollout(model, rollout, trainer)
-        lt, le, mask = scored["logp_trainer"], rollout.logprobs, rollout.mask
+        logp, record = token_logprobs(model, rollout.tokens, trainer, sampling=rollout.sampling)
+        engine_routes = np.asarray(rollout.routing.indices)
+        flips = routing_metrics(engine_routes, np.asarray(record.indices),
+                                valid=(engine_routes >= 0).all(-1).all(-1))
+        lt, le, mask = np.asarray(logp), rollout.logprobs, rollout.mask
         metrics = mismatch_metrics(lt, le, mask)
         seq_k1 = np.abs([np.mean(le[i][mask[i]] - lt[i][mask[i]]) for i in range(len(items)) if mask[i].any()])
         half_width = float(np.quantile(seq_k1, 1.0 - study.reject_target))
@@ -137,7 +141,7 @@ def calibrate(model, study: StudyConfig) -> dict:
         _, accept, corr = correct(lt, le, mask, CorrectionConfig(is_level="token", rs=(f"seq_mean_k1:{band}",)))
         rows.append({"name": name, "engine": engine, "kind": kind, "k3": metrics["k3_kl"], "kl": metrics["kl"],
                      "max_abs_logp_diff": metrics["max_abs_logp_diff"],
-                     "route_flip_rate": scored["routing"]["route_flip_rate"], "reject_band": band,
+                     "route_flip_rate": flips["route_flip_rate"], "reject_band": band,
                      "rejected_seq_fraction": corr["rollout_corr/rollout_rs_seq_masked_fraction"]})
     return {"trainer": study.trainer, "samples": len(items), "candidates": rows}
 
