@@ -1,5 +1,6 @@
-"""One RL run as a separate process (tests/test_rl_trainer.py kills it with SIGKILL and runs it again): the
-warm start from the test's cache, `rl_settings.rl_config(**json overrides)`, written into the run directory."""
+"""One RL run as a separate process (tests/test_rl_trainer.py kills it with SIGKILL and runs it again, synchronous
+and at max_lag 2): the warm start from the test's cache, `rl_settings.rl_config(**json overrides)`, written into
+the run directory."""
 
 import json
 import sys

@@ -21,6 +21,10 @@ ALIGNED = NumericPolicy.preset("aligned-bf16")
     pytest.param("aligned-fp8", "tiny", "static", (1, 3, 8, 32), None, id="fp8-static"),
     pytest.param("aligned-fp8", "tiny", "continuous", (3, 8), None, id="fp8-continuous"),
     pytest.param("aligned-fp8", "tiny", "static", (8,), 4, id="fp8-chunked-prefill"),
+    # the gated DeltaNet hybrid: recurrent and conv states carried across prefill chunks, decode steps and slots
+    pytest.param("aligned-bf16", "tiny-qwen3.5", "static", (1, 3, 32), None, id="hybrid-static"),
+    pytest.param("aligned-bf16", "tiny-qwen3.5", "continuous", (4,), None, id="hybrid-continuous"),
+    pytest.param("aligned-bf16", "tiny-qwen3.5", "static", (8,), 4, id="hybrid-chunked-prefill"),
 ])
 @pytest.mark.bitwise
 def test_aligned_is_bitwise_for_every_batch_and_schedule(policy_name, preset, schedule, batches, chunk):
@@ -42,11 +46,15 @@ def test_misaligned_pair_has_a_gap_and_route_flips():
     assert run["k3_kl"] > 0 and run["route_flip_rate"] > 0 and run["max_abs_logp_diff"] > 0
 
 
-def test_replay_alone_is_insufficient_but_matching_the_combine_closes_the_gap():
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3.5"])
+def test_replay_alone_is_insufficient_but_matching_the_combine_closes_the_gap(preset):
     """R3 replay makes the experts agree, the combine path still differs; switching only the combine fields
-    of the engine to the trainer's brings the gap to exactly zero (kernels batch invariant on both sides)."""
-    model = build_model("tiny")  # top-4: the combine order matters
-    invariant = ",kernel=tiled:8,reduce=tree"
+    of the engine to the trainer's brings the gap to exactly zero (kernels batch invariant on both sides).
+    On the Qwen3.5 hybrid (top-4) this is the seed's finding: transformers' eager experts path (bf16 router
+    weights, one bf16 index_add per expert) against its grouped_mm path (the weighted outputs summed in f32,
+    cast once); both sides run the recurrent delta rule, and `localize` names the aggregation."""
+    model = build_model(preset)  # top-4: the combine order matters
+    invariant = ",kernel=tiled:8,reduce=tree" + (",delta=recurrent" if preset == "tiny-qwen3.5" else "")
     trainer = NumericPolicy.parse("hf-grouped-bf16" + invariant)
     engine = NumericPolicy.parse("hf-eager-bf16" + invariant)
     assert {f for f, _, _ in trainer.diff(engine)} == {"combine_acc_dtype", "combine_order"}
@@ -57,6 +65,10 @@ def test_replay_alone_is_insufficient_but_matching_the_combine_closes_the_gap():
     matched = engine.replace(combine_acc_dtype=trainer.combine_acc_dtype, combine_order=trainer.combine_order)
     closed = compare(model, trainer, matched, **kw)["runs"][0]
     assert closed["max_abs_logp_diff"] == 0.0 and closed["k3_kl"] == 0.0
+    if preset == "tiny-qwen3.5":
+        found = localize(model, trainer, engine, n_prompts=8, max_new_tokens=12, seed=3, replay="r3",
+                         attribute=("fields",))
+        assert found["culprit"] in ("combine_acc_dtype", "combine_order"), found["fields"]
 
 
 @pytest.mark.parametrize("planted", [

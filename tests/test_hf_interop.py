@@ -448,3 +448,104 @@ def test_mla_cached_decode_of_transformers_matches_our_logits(tmp_path):
     logits = np.asarray(forward_logits(ours, tokens, FP32)[0])[:, 7:-1]
     assert np.abs(logits).max() > 0.5
     assert np.abs(steps - logits).max() <= 1e-4
+
+
+# Qwen3.5-MoE (gated DeltaNet layers beside gated attention): a held-out config no other test uses -- 4 layers
+# with the full-attention layer second, 16-dim DeltaNet keys, initializer_range 0.1 (logits of scale ~1) and
+# every norm, decay (A_log, dt_bias) and gate perturbed away from its init.
+QWEN35_TEXT = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                   linear_value_head_dim=8, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=16,
+                   shared_expert_intermediate_size=16, max_position_embeddings=256, initializer_range=0.1,
+                   layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+
+
+def _perturbed(model):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name or "shared_expert_gate" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    from transformers.models.qwen3_5_moe import configuration_qwen3_5_moe as c
+    torch.manual_seed(0)
+    model = _perturbed(transformers.AutoModelForCausalLM.from_config(c.Qwen3_5MoeTextConfig(**QWEN35_TEXT)))
+    path = str(tmp_path_factory.mktemp("qwen35"))
+    model.save_pretrained(path)
+    return model, path
+
+
+def test_qwen3_5_moe_fp32_parity_over_several_chunks_both_forms(qwen35):
+    """150 tokens: three chunks of transformers' 64 (its full forward runs the chunked rule); our chunked:64 and
+    recurrent forms both land within 1e-4 of its logits."""
+    model, path = qwen35
+    ours = hf.load(path)
+    assert ours.config.layer_kinds == ("gated_deltanet", "gqa", "gated_deltanet", "gated_deltanet")
+    assert ours.config.attn_output_gate and ours.config.norm_zero_centred and ours.config.rotary_dim == 4
+    tokens = _tokens(2, 150, seed=7)
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens), use_cache=False).logits.float().numpy()
+    assert np.abs(ref).max() > 0.5
+    for form in ("chunked:64", "recurrent"):
+        logits = np.asarray(forward_logits(ours, tokens, FP32.replace(delta_rule=form))[0])
+        assert np.abs(logits - ref).max() <= 1e-4, form
+
+
+def test_qwen3_5_moe_cached_decode_and_export_round_trip(qwen35, tmp_path):
+    """transformers' cached decode (its recurrent rule and conv update from the cache, one token at a time) gives
+    our teacher-forced fp32 logits within 1e-4; hf.save writes what transformers and hf.load read back."""
+    model, path = qwen35
+    ours = hf.load(path)
+    tokens = _tokens(2, 24, seed=8)
+    steps = _hf_cached_decode(model, tokens)
+    logits = np.asarray(forward_logits(ours, tokens, FP32)[0])
+    assert np.abs(steps - logits[:, 7:-1]).max() <= 1e-4
+    out = str(tmp_path / "export")
+    hf.save(ours, out)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        ref = loaded(torch.tensor(tokens), use_cache=False).logits.float().numpy()
+    assert np.abs(ref - logits).max() <= 1e-4
+    np.testing.assert_array_equal(np.asarray(forward_logits(hf.load(out), tokens, FP32)[0]), logits)
+
+
+def test_qwen3_5_moe_vision_language_checkpoint_loads_its_text_tower(tmp_path):
+    """A `qwen3_5_moe` (vision-language) checkpoint: the text tower under model.language_model loads, the vision
+    tower is left out with a warning that says so, and the logits are transformers' on text."""
+    from transformers.models.qwen3_5_moe import configuration_qwen3_5_moe as c
+    torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2,
+                  temporal_patch_size=1, spatial_merge_size=1)
+    text = dict(QWEN35_TEXT, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    model = _perturbed(transformers.Qwen3_5MoeForConditionalGeneration(c.Qwen3_5MoeConfig(text_config=text,
+                                                                                           vision_config=vision)))
+    path = _save(model, tmp_path / "vl")
+    with pytest.warns(UserWarning, match=r"tensors not loaded: the vision tower \(model.visual.\*\) is not loaded"):
+        ours = hf.load(path)
+    assert ours.config.family == "qwen3_5_moe"
+    tokens = _tokens(2, 40, seed=9)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(tokens), use_cache=False).logits.float().numpy()
+    assert np.abs(np.asarray(forward_logits(ours, tokens, FP32)[0]) - ref).max() <= 1e-4
+    with pytest.raises(ValueError, match="cannot be written without its vision tower"):
+        hf.save(ours, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(attention_bias=True), r"attention_bias = True is not supported for qwen3_5_moe; supported: False"),
+    (dict(mtp_num_hidden_layers=1), r"mtp_num_hidden_layers = 1 \(multi-token prediction layers\) is not supported"),
+    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+     r"layer_types holds \['sliding_attention'\]; supported: only 'linear_attention', 'full_attention'"),
+    (dict(linear_num_value_heads=3), r"linear_n_v_heads = 3 is not divisible by linear_n_k_heads = 2"),
+    (dict(hidden_act="gelu"), r"hidden_act 'gelu' is not supported; allowed: silu"),
+])
+def test_qwen3_5_moe_unsupported_config_fields_are_refused_by_name(tmp_path, changes, message):
+    from transformers.models.qwen3_5_moe import configuration_qwen3_5_moe as c
+    base = c.Qwen3_5MoeTextConfig(**QWEN35_TEXT).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**base, **changes}))
+    with pytest.raises(ValueError, match=message):
+        hf.load(str(tmp_path))

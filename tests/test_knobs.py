@@ -49,8 +49,15 @@ KNOBS = [
     ("kv_quant", "train-bf16", "e4m3"),
     ("kv_quant", "serve-fp8", "e5m2"),
     ("logit_scale", "serve-bf16", "1.05"),  # the synthetic study knob
+    # gated DeltaNet (numerics/delta_rule.py), on the Qwen3.5 hybrid (tiny-qwen3.5)
+    ("delta_rule", "fp32", "recurrent"),
+    ("delta_rule", "fp32", "chunked:8"),  # the chunk size (fp32's is 64); in bf16 the forms' f32 differences
+    # (~1e-7) rarely cross a bf16 rounding of the output on a model this small (none did here)
+    ("delta_state_dtype", "serve-bf16", "bf16"),  # recurrent: the state is rounded after every token
+    ("conv_state_dtype", "fp32", "bf16"),
 ]
-KNOB_MODELS = {"mla": "tiny-deepseek-v3", "index_scores_dtype": "tiny-glm5"}
+KNOB_MODELS = {"mla": "tiny-deepseek-v3", "index_scores_dtype": "tiny-glm5", "delta_rule": "tiny-qwen3.5",
+               "delta_state_dtype": "tiny-qwen3.5", "conv_state_dtype": "tiny-qwen3.5"}
 
 
 # Values that only change how the same sums are laid out (which rows each expert product sees). XLA:CPU may or may

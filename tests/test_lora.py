@@ -163,11 +163,12 @@ class _ParityTask:
         return {"task": "parity-of-first-token"}
 
 
-@pytest.mark.parametrize("preset", ["tiny-glm5"])
-def test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy(preset, tmp_path):
-    """GRPO with adapters on every MLA projection (kv_b_proj included, read inside attention): the aligned engine
-    reports the trainer's logprobs bitwise at every step (rollout KL 0), and only adapters change -- B among
-    them, kv_b_proj's too."""
+@pytest.mark.parametrize("preset, inner", [("tiny-glm5", "kv_b_proj"), ("tiny-qwen3.5", "in_proj_qkv")])
+def test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy(preset, inner, tmp_path):
+    """GRPO with adapters on every mixer projection (MLA's kv_b_proj included, read inside attention; the gated
+    DeltaNet's in_proj_qkv / in_proj_z / out_proj beside gated attention's): the aligned engine reports the
+    trainer's logprobs bitwise at every step (rollout KL 0), and only adapters change -- B among them, `inner`'s
+    too."""
     from jaxalign.rl.grpo import GRPOConfig
     from jaxalign.rl.trainer import RLConfig, Trainer
     model = build_model(preset)
@@ -181,4 +182,4 @@ def test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy(preset, t
     after = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(trainer.params)}
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
     assert changed and all("lora" in k for k in changed)
-    assert any("kv_b_proj" in k and "lora_b" in k for k in changed)
+    assert any(inner in k and "lora_b" in k for k in changed)

@@ -135,8 +135,7 @@ def test_policy_loss_sums_in_the_policys_order(loss_agg):
 def test_random_drop_control_drops_that_fraction_of_rows_whatever_the_gap():
     """`correction=drop:F` (the study's control): round(F * B) whole sequences rejected, no IS weights, the
     choice fixed by the batch (same batch, same rows) and unrelated to which rows have the largest gap."""
-    from jaxalign.rl.arms import correction_settings
-    from jaxalign.rl.correction import CorrectionConfig, correct
+    from jaxalign.rl.correction import CorrectionConfig, correct, correction_settings
 
     rng = np.random.default_rng(0)
     mode, cfg = correction_settings("drop:0.45", CorrectionConfig())

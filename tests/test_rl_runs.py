@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from jaxalign.rl import rundir
-from jaxalign.rl.arms import Arm, correction_settings, parse_arm, parse_arms
-from jaxalign.rl.correction import CorrectionConfig
+from jaxalign.rl.arms import Arm, parse_arm, parse_arms
+from jaxalign.rl.correction import CorrectionConfig, correction_settings
 from jaxalign.rl.experiment import ExperimentConfig, experiment_record, run_config, run_experiment
 
 

@@ -90,6 +90,9 @@ def test_aligned_arm_is_exactly_on_policy_and_misaligned_is_not(base, tmp_path):
         assert r["rollout_corr/kl"] == 0.0 and r["rollout_corr/k3_kl"] == 0.0
         assert r["rollout_corr/max_abs_logp_diff"] == 0.0
         assert r["rollout_corr/rollout_rs_masked_fraction"] == 0.0 and r["route_flip_rate"] == 0.0
+        # lag 0: generated with the current weights, and the engine agrees with the trainer at them
+        assert r["behaviour_version"] == r["step"] - 1 and r["lag"] == 0
+        assert r["numerics/k3_kl"] == 0.0 and r["staleness/k3_kl"] == 0.0
     mis = Trainer(_model(base), _config(trainer_policy="train-bf16", engine_policy="serve-bf16"),
                   str(tmp_path / "misaligned")).run(progress=False)
     assert all(r["rollout_corr/max_abs_logp_diff"] > 0 for r in mis if r["step"] > 0)
@@ -165,25 +168,36 @@ KILL_SETTINGS = {"steps": 6, "checkpoint_every": 2, "eval_every": 2}
 def test_sigkill_after_a_checkpoint_then_rerun_gives_the_uninterrupted_metrics_bitwise(base, tmp_path):
     """The issue's case: killed just after its first checkpoint, the same command again must keep the warm-start
     evaluation (step 0) and steps 1-2, and leave metrics.jsonl byte-identical to an uninterrupted run's."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from jaxalign.rl.rundir import RunMismatch
 
-    cache, _ = base
     model = _model(base)
     before = [np.asarray(x).copy() for x in jax.tree.leaves(nnx.state(model))]
     straight = tmp_path / "straight"
     Trainer(model, rl_config(**KILL_SETTINGS), str(straight)).run(progress=False)
     for a, b in zip(before, jax.tree.leaves(nnx.state(model))):  # the trainer trained its own copy
         np.testing.assert_array_equal(a, np.asarray(b))
+    killed = _kill_after_first_checkpoint_and_rerun(base, tmp_path, KILL_SETTINGS)
+    assert (killed / "metrics.jsonl").read_bytes() == (straight / "metrics.jsonl").read_bytes()
 
+    # the finished directory refuses another setting instead of reporting its numbers as the new run's
+    with pytest.raises(RunMismatch, match=r"learning_rate: 0.0003 -> 0.123"):
+        Trainer(_model(base), rl_config(**KILL_SETTINGS, learning_rate=0.123), str(killed))
+
+
+def _kill_after_first_checkpoint_and_rerun(base, tmp_path, settings):
+    """Run `rl_config(**settings)` in a subprocess (tests/rl_run_worker.py), SIGKILL it as soon as its step-2
+    checkpoint exists, check the rows up to it are durable, then run the same settings again here to the end;
+    returns the run directory."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cache, _ = base
     killed = tmp_path / "killed"
     tests = os.path.dirname(__file__)
     proc = subprocess.Popen([sys.executable, os.path.join(tests, "rl_run_worker.py"), tests, cache, str(killed),
-                             json.dumps(KILL_SETTINGS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             json.dumps(settings)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while not (killed / "checkpoints" / "2").is_dir():
         assert proc.poll() is None, proc.stdout.read().decode()
@@ -195,11 +209,71 @@ def test_sigkill_after_a_checkpoint_then_rerun_gives_the_uninterrupted_metrics_b
     with open(killed / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f][:3] == [0, 1, 2]  # durable before the checkpoint
 
-    Trainer(_model(base), rl_config(**KILL_SETTINGS), str(killed)).run(progress=False)  # the same command again
-    assert (killed / "metrics.jsonl").read_bytes() == (straight / "metrics.jsonl").read_bytes()
+    Trainer(_model(base), rl_config(**settings), str(killed)).run(progress=False)  # the same command again
     with open(killed / "metrics.jsonl") as f:
-        assert [json.loads(line)["step"] for line in f] == list(range(7))
+        assert [json.loads(line)["step"] for line in f] == list(range(settings["steps"] + 1))
+    return killed
 
-    # the finished directory refuses another setting instead of reporting its numbers as the new run's
-    with pytest.raises(RunMismatch, match=r"learning_rate: 0.0003 -> 0.123"):
-        Trainer(_model(base), rl_config(**KILL_SETTINGS, learning_rate=0.123), str(killed))
+
+# --- asynchronous rollouts (max_lag) -------------------------------------------------------------------------
+LAG2_SETTINGS = {**KILL_SETTINGS, "max_lag": 2}
+
+
+@pytest.fixture(scope="module")
+def lag2_aligned(base, tmp_path_factory):
+    """An uninterrupted lag-2 run of the SIGKILL test's settings, aligned-bf16 on both sides: (run dir, rows)."""
+    run = tmp_path_factory.mktemp("lag2") / "straight"
+    return run, Trainer(_model(base), rl_config(**LAG2_SETTINGS), str(run)).run(progress=False)
+
+
+def test_lag_two_aligned_has_exactly_zero_numerics_and_positive_staleness(lag2_aligned):
+    """Batch t is generated with the weights of version max(0, t - 2); the trainer at those weights reproduces
+    the engine's logprobs bitwise (numerics k3 exactly 0, no route flip: the worker's engine really held that
+    version), while the trainer's current weights have moved from them (staleness k3 > 0 once they differ)."""
+    _, rows = lag2_aligned
+    steps = [r for r in rows if r["step"] > 0]
+    assert len(steps) == LAG2_SETTINGS["steps"]
+    for r in steps:
+        t = r["step"] - 1
+        assert r["behaviour_version"] == max(0, t - 2) and r["lag"] == min(t, 2)
+        assert r["numerics/k3_kl"] == 0.0 and r["numerics/max_abs_logp_diff"] == 0.0
+        assert r["numerics/route_flip_rate"] == 0.0
+        if r["lag"] == 0:
+            assert r["staleness/k3_kl"] == 0.0 and r["rollout_corr/k3_kl"] == 0.0
+        else:  # the whole correction ratio is staleness
+            assert r["staleness/k3_kl"] > 0.0 and r["staleness/share"] == 1.0
+            assert r["rollout_corr/kl"] == pytest.approx(r["staleness/kl"], rel=1e-9, abs=0)
+
+
+def test_sigkilled_lag_two_run_reruns_to_the_uninterrupted_rows(base, tmp_path, lag2_aligned):
+    """Killed right after its step-2 checkpoint, with batches 2-4 in flight or queued on the worker: the
+    checkpoint holds the weight versions those batches are generated with (0 and 1 besides the current 2), and
+    the same command again ends with a metrics.jsonl byte-identical to the uninterrupted lag-2 run's."""
+    straight, _ = lag2_aligned
+    killed = _kill_after_first_checkpoint_and_rerun(base, tmp_path, LAG2_SETTINGS)
+    assert (killed / "metrics.jsonl").read_bytes() == (straight / "metrics.jsonl").read_bytes()
+
+
+def test_lag_two_serve_bf16_splits_the_log_ratio_into_numerics_plus_staleness(base, tmp_path):
+    """train-bf16 trainer, serve-bf16 engine, lag 2: at step 2 (generated with version 0) both parts are > 0,
+    and per token the correction's log ratio (trainer now - engine) is the numerics part (trainer - engine at
+    version 0) plus the staleness part (trainer now - trainer at version 0), to float64 rounding."""
+    trainer = Trainer(_model(base), _config(trainer_policy="train-bf16", engine_policy="serve-bf16", max_lag=2,
+                                            steps=3), str(tmp_path / "run"))
+    rows = [trainer.train_step() for _ in range(3)]
+    row = rows[-1]
+    assert row["behaviour_version"] == 0 and row["lag"] == 2
+    assert row["numerics/k3_kl"] > 0.0 and row["staleness/k3_kl"] > 0.0
+    assert 0.0 < row["numerics/share"] < 1.0 and row["numerics/share"] + row["staleness/share"] == pytest.approx(1.0)
+    lp = {k: np.asarray(v, np.float64) for k, v in trainer.last_logprobs.items()}
+    valid = lp["mask"] != 0
+    total = (lp["current"] - lp["engine"])[valid]
+    numerics = (lp["behaviour"] - lp["engine"])[valid]
+    staleness = (lp["current"] - lp["behaviour"])[valid]
+    assert np.abs(numerics).max() > 0 and np.abs(staleness).max() > 0
+    # each float64 subtraction of float32 logprobs (|logp| < 64) rounds by at most 2^-53 * 64
+    np.testing.assert_allclose(numerics + staleness, total, rtol=0, atol=3 * 64 * 2.0 ** -53)
+    # verl's k1 of the whole ratio is the two parts' k1 (its mean divides by count + 1e-8)
+    assert row["rollout_corr/kl"] == pytest.approx(row["numerics/kl"] + row["staleness/kl"], rel=1e-9, abs=1e-15)
+    with pytest.raises(ValueError, match="max_lag"):
+        RLConfig(max_lag=-1)

@@ -7,6 +7,7 @@ import numpy as np
 from jaxalign.metrics.index import index_flip_metrics
 from jaxalign.metrics.mismatch import mismatch_metrics
 from jaxalign.metrics.routing import routing_metrics
+from jaxalign.metrics.staleness import split_metrics
 from jaxalign.engine import Engine, Rollout
 from jaxalign.model.scoring import token_logprobs
 from jaxalign.model.sharding import mesh_description
@@ -73,22 +74,33 @@ def score_rollout(model: Transformer, rollout: Rollout, trainer: NumericPolicy, 
 def compare(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *, replay: str = "none",
             n_prompts: int = 16, max_new_tokens: int = 32, engine_batches=(8,), schedule: str = "static",
             prefill_chunk: int | None = None, seed: int = 0, temperature: float = 1.0, trainer_mesh=None,
-            engine_mesh=None) -> dict:
+            engine_mesh=None, behaviour_model: Transformer | None = None) -> dict:
     """Run the engine at each batch size and score with the trainer. Returns a JSON-ready report.
-    `trainer_mesh` / `engine_mesh`: device meshes (`jaxalign.make_mesh`) for each side; None = one device."""
+    `trainer_mesh` / `engine_mesh`: device meshes (`jaxalign.make_mesh`) for each side; None = one device.
+    `behaviour_model`: older weights of the same model (an asynchronous run's behaviour version): the engine
+    generates with them, the trainer scores with `model` (the current weights) and with them, and each run adds
+    the staleness/numerics split of the log ratio (`metrics.staleness.split_metrics`: `numerics/...` = trainer vs
+    engine at the behaviour weights, `staleness/...` = trainer at the current vs the behaviour weights)."""
+    if behaviour_model is not None and behaviour_model.config != model.config:
+        raise ValueError("behaviour_model must be older weights of the same model (another ModelConfig was given)")
     if replay_parts(replay)[1] and not model.config.index_topk:
         raise ValueError(f"replay = {replay!r} replays DSA index selections, but this model has no DSA indexer "
                          f"(index_topk = 0); allowed here: {', '.join(m for m in REPLAY_MODES if 'index' not in m)}")
     prompts = random_prompts(model.config.vocab_size, n_prompts, seed,
                              max_len=min(16, model.config.max_seq_len - max_new_tokens))
-    eng = Engine(model, engine, mesh=engine_mesh)
+    eng = Engine(model if behaviour_model is None else behaviour_model, engine, mesh=engine_mesh)
     runs = []
     for batch in engine_batches:
         rollout = eng.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                batch_size=batch, schedule=schedule, prefill_chunk=prefill_chunk)
         scored = score_rollout(model, rollout, trainer, replay=replay, mesh=trainer_mesh)
         routing = scored["routing"]
-        runs.append({"engine_batch": batch, **scored["metrics"],
+        split = {}
+        if behaviour_model is not None:
+            stale = score_rollout(behaviour_model, rollout, trainer, replay=replay, mesh=trainer_mesh)
+            split = split_metrics(scored["logp_trainer"], stale["logp_trainer"], rollout.logprobs, rollout.mask)
+            split["numerics/route_flip_rate"] = stale["routing"]["route_flip_rate"]
+        runs.append({"engine_batch": batch, **scored["metrics"], **split,
                      **{k: v for k, v in routing.items() if k != "n_decisions"},
                      "native_route_flip_rate": scored["native_routing"]["route_flip_rate"],
                      **({"index_flip_rate": scored["index"]["index_flip_rate"]} if "index" in scored else {}),
@@ -96,6 +108,7 @@ def compare(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *
     return {"model": model.config.family if model.config.family != "jaxalign" else "jaxalign",
             "config_fingerprint": model.config.fingerprint(), "trainer": str(trainer), "engine": str(engine),
             "policy_diff": [list(d) for d in trainer.diff(engine)], "replay": replay, "schedule": schedule,
+            "behaviour_model": behaviour_model is not None,
             "prefill_chunk": prefill_chunk, "trainer_mesh": mesh_description(trainer_mesh),
             "engine_mesh": mesh_description(engine_mesh), "prompts": n_prompts, "max_new_tokens": max_new_tokens, "seed": seed,
             "runs": runs}

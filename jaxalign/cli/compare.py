@@ -3,7 +3,7 @@ batch size."""
 
 from __future__ import annotations
 
-from jaxalign import report
+from jaxalign import check, report
 from jaxalign.align.compare import compare
 from jaxalign.cli.args import (COMMAND_MODEL, GAP_PAIR, add_generation_args, add_json_arg, add_mesh_args,
                                add_model_args, add_policy_args, add_replay_arg, int_list, load_model, meshes,
@@ -20,7 +20,9 @@ def run(args) -> int:
     result = compare(load_model(args), args.trainer, args.engine, replay=args.replay,
                      n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, engine_batches=args.engine_batch,
                      schedule=args.schedule, prefill_chunk=args.prefill_chunk, seed=args.seed,
-                     trainer_mesh=trainer_mesh, engine_mesh=engine_mesh)
+                     trainer_mesh=trainer_mesh, engine_mesh=engine_mesh,
+                     behaviour_model=(None if args.behaviour_model is None else
+                                      check.load_model(args.behaviour_model, args.behaviour_model_seed)))
     if args.json:
         print(report.to_json(result))
         return 0
@@ -28,7 +30,8 @@ def run(args) -> int:
           f"trainer mesh {result['trainer_mesh']}, engine mesh {result['engine_mesh']}")
     print(f"trainer: {result['trainer']}\nengine:  {result['engine']}")
     print("differs in: " + (", ".join(f"{f} ({a} vs {b})" for f, a, b in result["policy_diff"]) or "nothing"))
-    print(report.table(result["runs"], COMPARE_COLUMNS))
+    split = [c for c in ("numerics/k3_kl", "staleness/k3_kl", "numerics/share") if c in result["runs"][0]]
+    print(report.table(result["runs"], COMPARE_COLUMNS + split))
     return 0
 
 
@@ -49,6 +52,12 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-chunk", type=positive_int, default=param_default(compare, "prefill_chunk"),
                    help="static schedule: prefill prompts in chunks of this many tokens (default: the whole prompt "
                         "at once)")
+    p.add_argument("--behaviour-model", default=None, metavar="MODEL",
+                   help="older weights of the same model (as --model takes them): the engine generates with them "
+                        "and each run adds the numerics/staleness split of the log ratio (default: none, the "
+                        "engine generates with --model)")
+    p.add_argument("--behaviour-model-seed", type=int, default=0,
+                   help="initialisation seed when --behaviour-model is a preset (default: 0)")
     add_json_arg(p, "one JSON object with all metrics per engine batch size")
     add_mesh_args(p)
     p.set_defaults(func=run)

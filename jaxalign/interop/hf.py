@@ -1,8 +1,9 @@
 """Hugging Face checkpoints <-> jaxalign: read and write transformers' MoE families without torch.
 
 Each family is a module in `interop/families/` (config mapping, refused fields, MoE weight names); a layer's
-mixer weights are named by its layer kind (`model/kinds/`). Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3 (multi-head latent
-attention), glm_moe_dsa (GLM-5: MLA with the DeepSeek sparse attention indexer). Weights are read with safetensors'
+mixer weights are named by its layer kind (`model/kinds/`). Supported `model_type`s: qwen3_moe, qwen2_moe,
+mixtral, olmoe, glm4_moe, deepseek_v3 (multi-head latent attention), glm_moe_dsa (GLM-5: MLA with the DeepSeek sparse attention indexer), qwen3_5_moe_text and the text
+tower of qwen3_5_moe (Qwen3.5: gated DeltaNet layers beside gated attention). Weights are read with safetensors'
 numpy API (bf16 through ml_dtypes), from one file or a sharded index, in either expert layout: per expert
 (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's `w1/w3/w2`) or fused (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]). `save` writes config.json + model.safetensors in transformers' per-expert layout.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +155,10 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     if not cfg.tie_embeddings:
         params["lm_head"] = {"w": t.take("lm_head.weight", (cfg.vocab_size, d)).T}
     unused = sorted(set(tensors) - t.used - {"lm_head.weight"})
+    ignored = [u for u in unused if family.ignores(u)]
+    if ignored:
+        warnings.warn(f"{cfg.family}: {len(ignored)} checkpoint tensors not loaded: {family.ignored_note()}",
+                      stacklevel=3)
     unused = [u for u in unused if "rotary_emb" not in u and not family.ignores(u)]
     if unused:
         raise ValueError(f"checkpoint has tensors this {cfg.family} mapping does not expect: {unused[:8]}"

@@ -12,6 +12,7 @@ from jaxalign.model.layers import Linear, RMSNorm
 from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.attention import attention, kv_cache_entries, rope
+from jaxalign.numerics.experts import sigmoid
 
 if TYPE_CHECKING:  # annotations only: config imports the layer kinds, which import this module
     from jaxalign.model.config import ModelConfig
@@ -34,13 +35,16 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.d_model, q_dim, ("embed", "q_heads"), rngs=rngs, bias=cfg.qkv_bias)
+        # with an output gate (Qwen3.5), q_proj emits each head's query then its gate: [H, 2 * Dh]
+        q_out = 2 * q_dim if cfg.attn_output_gate else q_dim
+        self.q_proj = Linear(cfg.d_model, q_out, ("embed", "q_heads"), rngs=rngs, bias=cfg.qkv_bias)
         self.k_proj = Linear(cfg.d_model, kv_dim, ("embed", "kv_heads"), rngs=rngs, bias=cfg.qkv_bias)
         self.v_proj = Linear(cfg.d_model, kv_dim, ("embed", "kv_heads"), rngs=rngs, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_dim, cfg.d_model, ("q_heads", "embed"), rngs=rngs)
         if cfg.qk_norm == "head":
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, "head_dim", rngs=rngs)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, "head_dim", rngs=rngs)
+            zc = cfg.norm_zero_centred
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, "head_dim", rngs=rngs, zero_centred=zc)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, "head_dim", rngs=rngs, zero_centred=zc)
         elif cfg.qk_norm == "proj":
             self.q_norm = RMSNorm(q_dim, cfg.rms_eps, "q_heads", rngs=rngs)
             self.k_norm = RMSNorm(kv_dim, cfg.rms_eps, "kv_heads", rngs=rngs)
@@ -57,6 +61,10 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, s, _ = x.shape
         q, k, v = self.q_proj(x, policy), self.k_proj(x, policy), self.v_proj(x, policy)
+        gate = None
+        if cfg.attn_output_gate:
+            q, gate = jnp.split(q.reshape(b, s, cfg.n_heads, 2 * cfg.head_dim), 2, axis=-1)
+            q, gate = q.reshape(b, s, -1), gate.reshape(b, s, -1)
         if cfg.qk_norm == "proj":
             q, k = self.q_norm(q, policy), self.k_norm(k, policy)
         q = q.reshape(b, s, cfg.n_heads, cfg.head_dim)
@@ -79,5 +87,7 @@ class Attention(nnx.Module):
             values = constrain(kv[1].at[rows, :, positions].set(v, mode="drop"), V_CACHE_AXES)
             k_pos = jnp.broadcast_to(jnp.arange(values.shape[2]), (b, values.shape[2]))
             new_kv = (keys, values)
-        out = attention(q, keys, values, positions, k_pos, policy)
-        return self.o_proj(out.reshape(b, s, -1), policy), new_kv, None
+        out = attention(q, keys, values, positions, k_pos, policy).reshape(b, s, -1)
+        if gate is not None:  # transformers: attn_output * torch.sigmoid(gate), in the model dtype
+            out = out * sigmoid(gate, policy).astype(out.dtype)
+        return self.o_proj(out, policy), new_kv, None

@@ -76,6 +76,16 @@ class ModelConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     layer_types: tuple[str, ...] | None = None
+    # Qwen3.5 / Qwen3-Next: a sigmoid gate on the attention output (q_proj emits each head's query and gate) and
+    # zero-centred RMSNorm scales (the norm multiplies by 1 + w, w initialised at 0)
+    attn_output_gate: bool = False
+    norm_zero_centred: bool = False
+    # gated DeltaNet layers (kind `gated_deltanet`): key/value heads and head dims, the short conv's kernel size
+    linear_n_k_heads: int = 0
+    linear_n_v_heads: int = 0
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
+    linear_conv_kernel: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dense_mlp_dim",
@@ -181,6 +191,9 @@ class ModelConfig:
         used = {field for kind in kinds.kinds_of(self) for field in kind.fields}
         for name in {field for kind in kinds.all_kinds() for field in kind.fields} - used:
             del out[name]
+        for name, default in _OMITTED_AT_DEFAULT.items():  # fields added later: old fingerprints stay put
+            if out[name] == default:
+                del out[name]
         if self.layer_types is None:
             del out["layer_types"]
         else:
@@ -206,10 +219,13 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
         """A named preset: tiny, small, bench, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, tiny-olmoe,
-        tiny-glm4-moe, tiny-deepseek-v3, tiny-glm5."""
+        tiny-glm4-moe, tiny-deepseek-v3, tiny-glm5, tiny-qwen3.5."""
         if name not in _PRESETS:
             raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(_PRESETS)}")
         return _PRESETS[name]
+
+
+_OMITTED_AT_DEFAULT = {"attn_output_gate": False, "norm_zero_centred": False}
 
 
 def preset_names() -> tuple[str, ...]:
@@ -255,4 +271,12 @@ _PRESETS: dict[str, ModelConfig] = {
                              rms_eps=1e-5, attention_kind="mla", q_lora_rank=16, kv_lora_rank=16,
                              qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, rope_interleave=True,
                              index_topk=6, index_n_heads=2, index_head_dim=16),
+    # Qwen3.5-MoE (transformers qwen3_5_moe_text): two gated DeltaNet layers (2 key heads of 16, 4 value heads of
+    # 8, a 4-tap conv), then gated attention (per-head q/k norms, rope on a quarter of each 16-dim head); every
+    # norm zero-centred; top-4 of 8 experts plus a sigmoid-gated shared expert
+    "tiny-qwen3.5": ModelConfig(**{**_TINY, "n_layers": 3, "head_dim": 16}, family="qwen3_5_moe_text",
+                                qk_norm="head", norm_topk_prob=True, shared_expert_dim=16, shared_expert_gate=True,
+                                partial_rotary_factor=0.25, attn_output_gate=True, norm_zero_centred=True,
+                                layer_types=("gated_deltanet", "gated_deltanet", "gqa"), linear_n_k_heads=2,
+                                linear_n_v_heads=4, linear_k_head_dim=16, linear_v_head_dim=8, linear_conv_kernel=4),
 }

@@ -76,14 +76,21 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with a learned scale."""
+    """RMSNorm with a learned scale. `zero_centred` (Qwen3.5): the scale is 1 + w, w initialised at 0 and stored
+    as transformers stores it; 1 + w is formed in float32 from w in the param dtype."""
 
-    def __init__(self, dim: int, eps: float, axis_name: str = "norm", *, rngs: nnx.Rngs):
-        self.scale = param(rngs, (dim,), (axis_name,), init="ones")
+    def __init__(self, dim: int, eps: float, axis_name: str = "norm", *, rngs: nnx.Rngs, zero_centred: bool = False):
+        self.scale = param(rngs, (dim,), (axis_name,), init="zeros" if zero_centred else "ones")
         self.eps = eps
+        self.zero_centred = zero_centred
 
     def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
-        return rms_norm(x, self.scale[...], policy, self.eps)
+        scale = self.scale[...]
+        if self.zero_centred:
+            # w in the param dtype first, as transformers holds it (1 + w.float()): so a trainer's f32 master and
+            # an engine's copy cast once at sync give the same scale (casting again is exact)
+            scale = 1.0 + as_param(scale, policy).astype(jnp.float32)
+        return rms_norm(x, scale, policy, self.eps)
 
 
 class Embedding(nnx.Module):

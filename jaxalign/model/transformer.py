@@ -27,10 +27,11 @@ class Block(nnx.Module):
     slot whatever its kind, so parameter paths stay put), then a routed MoE or a dense SwiGLU MLP."""
 
     def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs, layer: int = 0):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs)
+        zc = cfg.norm_zero_centred
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs, zero_centred=zc)
         self.kind = cfg.layer_kinds[layer]
         self.attn = kinds.get(self.kind).build(cfg, layer, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, "embed", rngs=rngs, zero_centred=zc)
         self.mlp = MoE(cfg, rngs=rngs) if moe else DenseMLP(cfg.d_model, cfg.dense_mlp_dim, rngs=rngs)
         self.is_moe = moe
 
@@ -76,7 +77,8 @@ class Transformer(nnx.Module):
         self.embed = Embedding(config.vocab_size, config.d_model, rngs=rngs)
         moe_layers = set(config.moe_layers)
         self.blocks = nnx.List([Block(config, i in moe_layers, rngs=rngs, layer=i) for i in range(config.n_layers)])
-        self.final_norm = RMSNorm(config.d_model, config.rms_eps, "embed", rngs=rngs)
+        self.final_norm = RMSNorm(config.d_model, config.rms_eps, "embed", rngs=rngs,
+                                  zero_centred=config.norm_zero_centred)
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size,
                                                                  ("embed", "vocab"), rngs=rngs)
 

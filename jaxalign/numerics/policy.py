@@ -145,6 +145,18 @@ FIELDS: dict[str, _Field] = {
                           "SYNTHETIC, not a number format: the LM head's logits multiplied by this factor (1 = off), "
                           "i.e. sampling at another temperature -- a controllable engine-side gap for studying doses "
                           "that FP8 does not reach on a small model (jaxalign.rl.study); never part of a preset"),
+    "delta_rule": _Field("delta", "recurrent|chunked:C (C a positive int)",
+                         _either(_one_of("recurrent"), _typed(Chunked)),
+                         "gated DeltaNet layers only: recurrent = one token at a time (transformers' "
+                         "torch_recurrent_gated_delta_rule, vLLM's fused recurrent decode kernel); chunked:C = chunks "
+                         "of C tokens through the UT transform (torch_chunk_gated_delta_rule, FLA's chunk kernel: "
+                         "what trainers run); the same math, rounded differently (jaxalign/numerics/delta_rule.py)"),
+    "delta_state_dtype": _Field("delta_state", "f32|bf16|f16", _DTYPE,
+                                "dtype the gated DeltaNet recurrent state [B, H, Dk, Dv] is stored in between tokens "
+                                "(recurrent) or chunks (chunked), in the engine's state and the trainer's forward alike"),
+    "conv_state_dtype": _Field("conv_state", "f32|bf16|f16", _DTYPE,
+                               "dtype of the gated DeltaNet short convolution's inputs as its state stores them (the "
+                               "last K-1 inputs); the trainer's forward rounds them the same way"),
 }
 _BY_KEY = {f.key: name for name, f in FIELDS.items()}
 
@@ -187,6 +199,9 @@ class NumericPolicy:
     quant_scale: Literal["f32", "e8m0"] = "f32"
     kv_quant: Literal["none", "e4m3", "e5m2"] = "none"
     logit_scale: float = 1.0
+    delta_rule: Literal["recurrent"] | Chunked = Chunked(64)
+    delta_state_dtype: DType = DType.f32
+    conv_state_dtype: DType = DType.f32
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():
@@ -270,6 +285,11 @@ class NumericPolicy:
         return self.attention.size if isinstance(self.attention, Chunked) else None
 
     @property
+    def delta_chunk(self) -> int | None:
+        """Chunk size of the chunked delta rule, or None for the recurrent form."""
+        return self.delta_rule.size if isinstance(self.delta_rule, Chunked) else None
+
+    @property
     def capacity_factor(self) -> float | None:
         """Capacity factor of token-dropping dispatch, or None."""
         return self.dispatch.factor if isinstance(self.dispatch, Capacity) else None
@@ -350,7 +370,9 @@ class NumericPolicy:
 
 
 def _bf16_compute(**overrides: str) -> NumericPolicy:
-    return NumericPolicy(param_dtype="bf16", compute_dtype="bf16", kv_cache_dtype="bf16", **overrides)
+    # the DeltaNet conv state holds bf16 inputs (vLLM's and SGLang's); its recurrent state stays f32
+    return NumericPolicy(param_dtype="bf16", compute_dtype="bf16", kv_cache_dtype="bf16", conv_state_dtype="bf16",
+                         **overrides)
 
 
 PRESETS: dict[str, NumericPolicy] = {
@@ -363,13 +385,13 @@ PRESETS: dict[str, NumericPolicy] = {
     # bf16 logits, absorbed MLA.
     "serve-bf16": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
                                 combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16",
-                                mla="absorbed"),
+                                mla="absorbed", delta_rule="recurrent"),
     # The fast bf16 serving baseline the cost of alignment is measured against (benchmarks/alignment_cost.py):
     # serve-bf16 with only the selected experts' rows multiplied (bucketed dispatch, nothing dropped), as
     # serving engines' fused MoE kernels do; attention stays flash-decoding style (chunked).
     "serve-fast-bf16": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
                                      combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16",
-                                     dispatch="bucketed", mla="absorbed"),
+                                     dispatch="bucketed", mla="absorbed", delta_rule="recurrent"),
     # The fast bf16 training baseline: train-bf16 with a grouped GEMM that runs only the selected experts on
     # this backend (bucketed dispatch; train-bf16's lax.ragged_dot runs densely over all experts on XLA:CPU).
     "train-fast-bf16": _bf16_compute(dispatch="bucketed"),
@@ -379,21 +401,25 @@ PRESETS: dict[str, NumericPolicy] = {
     # fusion, and only exact products make both roundings agree (docs/policies.md).
     # Cross-device sums are ordered, so the bits do not depend on the mesh either (docs/scaling.md).
     # Sorted dispatch runs only the selected experts; under the tiled kernel its bits equal the dense dispatch's.
+    # Gated DeltaNet layers run the recurrent delta rule on both sides (the engine's decode form; the trainer
+    # scans the same per-token steps), so its state has the same bits wherever a sequence is cut.
     "aligned-bf16": _bf16_compute(matmul_kernel="tiled:8", reduction="tree", rope_dtype="bf16",
-                                  combine_weight_dtype="bf16", cross_device="ordered", dispatch="sorted"),
+                                  combine_weight_dtype="bf16", cross_device="ordered", dispatch="sorted",
+                                  delta_rule="recurrent"),
     # FP8 rollouts as verl and slime run them (DeepSeek-style W8A8): the serve-bf16 engine with every linear and
     # expert weight in e4m3 [16, 16] blocks (128x128 on real models, scaled to the tiny ones' 32-64 wide
     # matrices), activations in 1x16 e4m3 tiles, f32 scales, and an e4m3 KV cache; trained against a bf16
     # trainer (train-bf16), which never sees the quantisation.
     "serve-fp8": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
                                combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16",
-                               mla="absorbed", weight_quant="e4m3:16x16", act_quant="e4m3:16", kv_quant="e4m3"),
+                               mla="absorbed", weight_quant="e4m3:16x16", act_quant="e4m3:16", kv_quant="e4m3",
+                               delta_rule="recurrent"),
     # DeepSeek-V4's aligned recipe (verl PR #7688): aligned-bf16 plus the same W8A8 products in the trainer's
     # forward, quantised from its float32 masters; the gradient reaches the masters straight through (as if
     # quantisation were the identity: the backward of aligned-bf16's bf16 products). Engine == trainer bitwise.
     "aligned-fp8": _bf16_compute(matmul_kernel="tiled:8", reduction="tree", rope_dtype="bf16",
                                  combine_weight_dtype="bf16", cross_device="ordered", dispatch="sorted",
-                                 weight_quant="e4m3:16x16", act_quant="e4m3:16"),
+                                 weight_quant="e4m3:16x16", act_quant="e4m3:16", delta_rule="recurrent"),
     # What an accelerator does with float32 products left at DEFAULT precision, made explicit for study: one bf16
     # pass (a TPU's DEFAULT), three bf16 passes (a TPU's HIGH), TF32 (an Ampere/Hopper GPU's DEFAULT). XLA:CPU
     # ignores the algorithm (same numbers as fp32) and JAX refuses TF32 on the CPU (docs/policies.md).

@@ -27,6 +27,19 @@ re-implementation of its helper in tests/test_correction_parity.py:
   plus this project's `max_abs_logp_diff`, `extreme_frac_tau2` and
   `bitwise_equal_fraction`.
 
+Correction modes as text (`correction_settings`; an arm's `correction=`): `none` (the PPO ratio against the
+trainer's recomputed logprobs, the engine's ignored: no weights, no rejection); verl's decoupled mode as
+`+`-joined parts `tis[:C]` (token-level TIS, cap C, default 2), `seq-tis[:C]`, `icepop[:LO_HI]` (default 0.5_2)
+and any number of `rs:RULE` (e.g. `tis:2+rs:seq_mean_k1:0.999_1.001`); `bypass[+rs:RULE...]` (the PPO ratio
+against the engine's logprobs). One field at a time: `CorrectionConfig.parse_option` (`jaxalign.rl.options`).
+
+Asynchronous rollouts (`RLConfig.max_lag`): with logp_old the trainer's at the current weights (the proximal
+policy) and logp_rollout the engine's at the older behaviour weights, `correct` + `grpo.policy_loss` are AReaL's
+decoupled PPO (`ppo_actor_loss_fn`, `use_decoupled_loss=True`): the PPO ratio against the proximal policy, the IS
+weight pi_proximal / pi_behaviour. AReaL's `behav_imp_weight_cap` drops tokens above the cap from the loss (still
+counted in its mean): `is_threshold="0_CAP"` here; verl's decoupled mode truncates instead (TIS, `"C"`). Checked in
+tests/test_decoupled_parity.py; the log ratio's split into numerics and staleness is `metrics.staleness`.
+
 Deliberate difference: the returned weights are exactly 0 on padding whatever the padding holds; verl's are
 exp(padding) * 0, NaN where the padding is NaN. Valid tokens' weights never depend on padding in either.
 """
@@ -40,6 +53,7 @@ import math
 import numpy as np
 
 from jaxalign.metrics.mismatch import LOG_RATIO_CLAMP, mismatch_metrics, paired_logprobs, verl_offpolicy_metrics
+from jaxalign.rl import options
 
 # What the PPO ratio is taken against: decoupled = the trainer's recomputed old-policy logprobs (IS weights and
 # rejection correct for the engine's); bypass = the engine's logprobs themselves (pi_old := pi_rollout)
@@ -101,6 +115,55 @@ class CorrectionConfig:
                     float(threshold)
                 except ValueError:
                     raise ValueError(f"rejection rule {item!r}: k2/k3 take an upper bound (a float)") from None
+
+    @classmethod
+    def parse_option(cls, key: str, text: str):
+        """The typed value of field `key` written as `text` (`jaxalign.rl.options`: `rs` is `+`-joined rules,
+        `normalize_weights` true/false); a clear error naming the key, the value and what is allowed."""
+        return options.parse_option(cls, key, text)
+
+
+CORRECTION_GRAMMAR = ("none, bypass[+rs:RULE...], or +-joined tis[:C], seq-tis[:C], icepop[:LO_HI], rs:RULE "
+                      "(e.g. tis:2+rs:seq_mean_k1:0.999_1.001)")
+
+
+def correction_settings(text: str | None, default: CorrectionConfig) -> tuple[str, CorrectionConfig]:
+    """(mode, CorrectionConfig) of a correction mode string (module docstring); None gives (decoupled,
+    `default`). A mode with weights keeps `default.normalize_weights`."""
+    if text is None:
+        return DECOUPLED, default
+    parts = [p.strip() for p in text.split("+")]
+    if parts == ["none"]:
+        return DECOUPLED, CorrectionConfig(is_level="none", rs=())
+    if len(parts) == 1 and parts[0].startswith("drop:"):
+        try:
+            fraction = float(parts[0][5:])
+        except ValueError:
+            fraction = -1.0
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"correction {text!r}: drop takes a fraction 0 < F < 1, e.g. drop:0.45")
+        return DECOUPLED, CorrectionConfig(is_level="none", rs=(), random_drop=fraction)
+    mode = DECOUPLED
+    if parts[0] == BYPASS:
+        mode, parts = BYPASS, parts[1:]
+    is_level, threshold, rs = "none", "2.0", []
+    for part in parts:
+        kind, _, value = part.partition(":")
+        if kind == "rs" and value:
+            rs.append(value)
+        elif kind in ("tis", "seq-tis", "icepop") and mode == DECOUPLED:
+            if is_level != "none":
+                raise ValueError(f"correction {text!r}: at most one of tis, seq-tis, icepop")
+            is_level = "sequence" if kind == "seq-tis" else "token"
+            threshold = value or ("0.5_2.0" if kind == "icepop" else "2.0")
+            if kind == "icepop" and "_" not in threshold:
+                raise ValueError(f"correction {text!r}: icepop takes a band LO_HI, e.g. icepop:0.5_2.0")
+            if kind != "icepop" and "_" in threshold:
+                raise ValueError(f"correction {text!r}: {kind} takes a cap C, e.g. {kind}:2.0")
+        else:
+            raise ValueError(f"correction {text!r}: unknown part {part!r}; allowed: {CORRECTION_GRAMMAR}")
+    return mode, CorrectionConfig(is_level=is_level, is_threshold=threshold, rs=tuple(rs),
+                                  normalize_weights=default.normalize_weights)
 
 
 def _masked_mean(x: np.ndarray, mask: np.ndarray, axis=None) -> np.ndarray:

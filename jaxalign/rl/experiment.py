@@ -94,16 +94,16 @@ class ExperimentConfig:
 
 def run_config(exp: ExperimentConfig, arm: Arm, seed: int) -> RLConfig:
     """The RLConfig of one arm and seed: identical across arms except what the arm names (policies, correction,
-    replay)."""
+    replay, and its `;KEY=VALUE` overrides, applied after the experiment's settings)."""
     from jaxalign.rl.grpo import GRPOConfig
     default = CorrectionConfig(is_threshold=exp.is_threshold, rs=tuple(exp.rs))
-    return RLConfig(**arm.settings(default), steps=exp.steps, prompts_per_step=exp.prompts_per_step,
+    return arm.apply(RLConfig(**arm.settings(default), steps=exp.steps, prompts_per_step=exp.prompts_per_step,
                     max_new_tokens=exp.max_new_tokens, learning_rate=exp.learning_rate,
                     ppo_epochs=exp.ppo_epochs,
                     grpo=GRPOConfig(group_size=exp.group_size), seed=seed, eval_every=exp.eval_every,
                     eval_problems=exp.eval_problems, problem_count=tuple(exp.problem_count),
                     checkpoint_every=max(1, exp.steps // 3), trainer_mesh=exp.trainer_mesh,
-                    engine_mesh=exp.engine_mesh)
+                    engine_mesh=exp.engine_mesh))
 
 
 def experiment_record(exp: ExperimentConfig) -> dict:

@@ -9,6 +9,9 @@ The parts, each replaceable on its own:
   the PPO-clip loss), jitted by the trainer.
 - `Trainer.run`: a thin loop -- collect, update, sync the engine, send the row to the sinks (`metrics.jsonl`,
   TensorBoard, the progress bar), checkpoint.
+- `RLConfig.max_lag` k >= 1: asynchronous rollouts. A second engine on one worker thread generates batch t with
+  the weights of version `behaviour_version(t, k)` = max(0, t - k) while this thread updates on earlier batches;
+  checkpoints hold the older versions still needed, so a killed run resumes to the same rows (docs/rl.md).
 
 The trainer works on its own copy of the model (LoRA adapters are added to the copy; the caller's model is never
 changed). A run directory records its settings, build and host (`rundir`): another configuration on the same
@@ -22,6 +25,7 @@ import dataclasses
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -32,6 +36,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxalign.metrics.routing import routing_metrics
+from jaxalign.metrics.staleness import split_metrics
 from jaxalign.engine import Engine
 from jaxalign.model.scoring import sequence_logprobs, token_logprobs
 from jaxalign.model.sharding import (make_mesh, mesh_context, on_first_device, parse_mesh_spec, put_batch, put_global,
@@ -41,10 +46,10 @@ from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.collectives import replicate
 from jaxalign.numerics.optimizer import adamw
 from jaxalign.numerics.reduce import global_norm
-from jaxalign.rl import rundir, tokenizer
+from jaxalign.rl import options, rundir, tokenizer
 from jaxalign.replay_modes import REPLAY_MODES, check_replay, replay_parts
 from jaxalign.rl.correction import BYPASS, DECOUPLED, MODES, CorrectionConfig, correct
-from jaxalign.rl.grpo import GRPOConfig, group_advantages, policy_loss
+from jaxalign.rl.grpo import GRPOConfig, advantages_of, policy_loss
 from jaxalign.rl.task import PROMPT_WIDTH, CountdownTask, Task  # noqa: F401  (PROMPT_WIDTH: used by sft)
 
 
@@ -78,6 +83,7 @@ class RLConfig:
     lora_targets: tuple[str, ...] | None = None  # None: the model's attention projections (`attention_targets`)
     trainer_mesh: str = ""  # a mesh spec (`jaxalign.make_mesh`), e.g. "data=2,expert=2,tensor=2"; "" = one device
     engine_mesh: str = ""  # with several processes: a mesh over each process's own devices
+    max_lag: int = 0  # k: batch t is generated with the weights of version max(0, t - k) (0 = synchronous)
 
     def __post_init__(self):
         for side in ("trainer_policy", "engine_policy"):
@@ -91,6 +97,14 @@ class RLConfig:
                      "eval_problems", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} = {getattr(self, name)}; allowed: >= 1")
+        if not isinstance(self.max_lag, int) or isinstance(self.max_lag, bool) or self.max_lag < 0:
+            raise ValueError(f"RLConfig.max_lag = {self.max_lag!r}; allowed: an int >= 0 (0 = synchronous rollouts)")
+
+    @classmethod
+    def parse_option(cls, key: str, text: str):
+        """The typed value of field `key` written as `text` (`jaxalign.rl.options`), e.g. ("learning_rate",
+        "2e-3") -> 0.002; a clear error naming the key, the value and what is allowed."""
+        return options.parse_option(cls, key, text)
 
     def to_dict(self) -> dict:
         """JSON-ready form; policies as compact text (`NumericPolicy.compact`)."""
@@ -102,7 +116,16 @@ class RLConfig:
             elif dataclasses.is_dataclass(value):
                 value = dataclasses.asdict(value)
             out[field.name] = value
+        if not self.max_lag:  # synchronous runs record what they recorded before the field existed (they resume)
+            del out["max_lag"]
         return json.loads(json.dumps(out))
+
+
+def behaviour_version(step: int, max_lag: int) -> int:
+    """The weight version that generates batch `step` (0-based) at lag `max_lag`: max(0, step - max_lag). Version
+    v = the weights after v updates. A fixed function of (step, lag), never of timing, so an asynchronous run is
+    as reproducible and resumable as a synchronous one."""
+    return max(0, step - max_lag)
 
 
 def clip_by_global_norm(max_norm: float, policy: NumericPolicy) -> optax.GradientTransformation:
@@ -185,7 +208,8 @@ def make_update(graphdef, policy: NumericPolicy, optimizer: optax.GradientTransf
             per_token = (lp, batch.logp_old, batch.advantages, batch.weights, batch.mask, batch.logp_ref)
             if ordered:  # the loss sums over the whole batch: on one device, in the one-device order
                 per_token = replicate(per_token)
-            return policy_loss(*per_token[:5], config.grpo, logp_ref=per_token[5], policy=policy)
+            return policy_loss(*per_token[:5], config.grpo, logp_ref=per_token[5], policy=policy,
+                               max_tokens=config.max_new_tokens)
 
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         if ordered:  # the clipping norm sums over every (sharded) gradient: replicated, it sums in one place
@@ -226,6 +250,15 @@ class Trainer:
         # greedy evaluation decodes under the trainer's policy, so every arm of an experiment is scored alike
         self.eval_engine = (self.engine if config.engine_policy == config.trainer_policy
                             else Engine(model, config.trainer_policy, mesh=engine_mesh))
+        # asynchronous rollouts (max_lag k >= 1): a second engine, driven by one worker thread, generates batch t
+        # with the weights of version behaviour_version(t, k) while this thread scores and updates earlier batches
+        self.behaviour = {0: self.params}  # weight version -> weights, for the versions pending batches need
+        self._pending = {}  # step -> Future of the Rollout generated for it
+        self.rollout_engine, self._worker = None, None
+        if config.max_lag:
+            self.rollout_engine = Engine(model, config.engine_policy, mesh=engine_mesh)
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxalign-rollouts")
+        self.last_logprobs = None  # the last collected batch's per-token logprobs (see `collect`)
         # the frozen reference for the optional KL penalty: the weights the run starts from
         self.reference = (nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.params))
                           if config.grpo.kl_coef > 0 else None)
@@ -262,12 +295,23 @@ class Trainer:
         return jax.tree_util.tree_map_with_path(place, opt_state)
 
     # --- state ----------------------------------------------------------------------------------------------
-    def _state_tree(self):
-        return {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state,
-                "step": np.asarray(self.step, np.int64)}
+    def _kept_versions(self, step: int) -> range:
+        """The weight versions older than `step` that batches `step` .. `step + k` are generated with: the
+        in-flight state of an asynchronous run (empty when synchronous)."""
+        return range(behaviour_version(step, self.config.max_lag), step)
+
+    def _state_tree(self, step: int | None = None):
+        step = self.step if step is None else step
+        tree = {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state,
+                "step": np.asarray(step, np.int64)}
+        if self._kept_versions(step):  # (a template when restoring: only shapes are read)
+            tree["behaviour"] = {f"v{v}": nnx.to_pure_dict(self.behaviour.get(v, self.params))
+                                 for v in self._kept_versions(step)}
+        return tree
 
     def save(self) -> None:
-        """Checkpoint the current state (params, optimizer state, step)."""
+        """Checkpoint the current state (params, optimizer state, step and, with `max_lag`, the older weight
+        versions the next batches are generated with)."""
         self.checkpoints.save(self.step, args=ocp.args.StandardSave(self._state_tree()), force=True)
         self.checkpoints.wait_until_finished()
 
@@ -276,14 +320,44 @@ class Trainer:
         latest = self.checkpoints.latest_step()
         if latest is None:
             return False
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._state_tree())
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._state_tree(latest))
         restored = self.checkpoints.restore(latest, args=ocp.args.StandardRestore(abstract))
+        self._drop_pending()
         nnx.replace_by_pure_dict(self.params, restored["params"])
         self.opt_state = restored["opt_state"]
         self.step = int(restored["step"])
+        self.behaviour = {self.step: self.params}
+        for key, pure in restored.get("behaviour", {}).items():
+            version = jax.tree.map(lambda x: x, self.params)  # fresh variables, the same structure
+            nnx.replace_by_pure_dict(version, pure)
+            self.behaviour[int(key[1:])] = version
         nnx.update(self.model, self.params)
         self.engine.sync_weights(self.model)
         return True
+
+    # --- asynchronous rollouts ------------------------------------------------------------------------------
+    def _drop_pending(self) -> None:
+        """Forget the batches generated ahead (cancelled, or waited for when already running)."""
+        for future in self._pending.values():
+            future.cancel()
+        for future in self._pending.values():
+            if not future.cancelled():
+                future.exception()
+        self._pending = {}
+
+    def _generate_with(self, step: int, params):
+        """(worker thread) Batch `step` from the rollout engine holding `params`."""
+        self.rollout_engine.sync_weights(nnx.merge(self.graphdef, jax.tree.map(lambda x: x, params)))
+        return self.generate(step, self.rollout_engine)
+
+    def _schedule(self) -> None:
+        """Queue every batch up to `step + k` whose weight version exists (all of them: version
+        max(0, s - k) <= step), each with that version's weights; the worker runs them in step order."""
+        k = self.config.max_lag
+        for s in range(self.step, min(self.step + k, self.config.steps - 1) + 1):
+            if s not in self._pending:
+                weights = self.behaviour[behaviour_version(s, k)]
+                self._pending[s] = self._worker.submit(self._generate_with, s, weights)
 
     # --- the update -----------------------------------------------------------------------------------------
     def _compile_update(self):
@@ -302,16 +376,36 @@ class Trainer:
             return self._update(params, opt_state, jax.tree.map(lambda b: put_batch(b, self.mesh), batch))
 
     # --- collect --------------------------------------------------------------------------------------------
-    def collect(self) -> tuple[TrainBatch, dict]:
+    def _items(self, step: int) -> list:
+        cfg = self.config
+        return [p for p in self.task.train_items(step, cfg.prompts_per_step, cfg.seed)
+                for _ in range(cfg.grpo.group_size)]
+
+    def generate(self, step: int, engine: Engine | None = None):
+        """The rollout of batch `step` (G completions of each of its items) from `engine` (default: the trainer's
+        engine) at whatever weights it holds; sampling is seeded by (seed, step)."""
+        cfg, items = self.config, self._items(step)
+        return (engine or self.engine).generate(
+            [self.task.prompt(p) for p in items], max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            eos_id=tokenizer.EOS, seed=cfg.seed * 1_000_003 + step, batch_size=cfg.engine_batch)
+
+    def collect(self, rollout=None, version: int | None = None) -> tuple[TrainBatch, dict]:
         """Engine -> reward -> old-policy pass -> rollout correction for the current step: the update's batch
-        and the step's rollout metrics."""
-        cfg, g = self.config, self.config.grpo.group_size
-        items = [p for p in self.task.train_items(self.step, cfg.prompts_per_step, cfg.seed) for _ in range(g)]
-        rollout = self.engine.generate([self.task.prompt(p) for p in items], max_new_tokens=cfg.max_new_tokens,
-                                       temperature=cfg.temperature, eos_id=tokenizer.EOS,
-                                       seed=cfg.seed * 1_000_003 + self.step, batch_size=cfg.engine_batch)
+        and the step's rollout metrics.
+
+        `rollout`: the step's batch as generated with the weights of `version` (default: generated here by the
+        engine, which holds the current weights). The PPO ratio's old policy is the trainer at the current
+        weights (AReaL's proximal policy); the correction's ratio is that against the engine (the behaviour
+        policy), and its log splits per token into numerics (engine vs trainer, both at the behaviour weights)
+        plus staleness (trainer at the current vs the behaviour weights), reported as `numerics/...` and
+        `staleness/...` (`metrics.staleness`). `self.last_logprobs` keeps the three per-token logprobs."""
+        cfg = self.config
+        items = self._items(self.step)
+        if rollout is None:
+            rollout = self.generate(self.step)
+        version = self.step if version is None else version
         rewards = rewards_of(rollout, items, self.task)
-        advantages = group_advantages(rewards, g)
+        advantages = advantages_of(rewards, cfg.grpo)
         tokens = pad_to(rollout.tokens, self.width, 1, tokenizer.PAD)
         logp_rollout = pad_to(rollout.logprobs, self.width - 1, 1, 0.0)
         mask = pad_to(rollout.mask, self.width - 1, 1, False)
@@ -338,21 +432,45 @@ class Trainer:
             logp_ref = to_host(token_logprobs(self.reference, tokens, self.trainer_policy,
                                               temperature=cfg.temperature, replay=replay, mesh=self.mesh,
                                               **replay_kw)[0])
+        if version == self.step:  # the behaviour weights are the current ones: the same pass
+            lp_behaviour, behaviour_indices = lp_old, old_indices
+        else:
+            stale = nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.behaviour[version]))
+            lp_behaviour, behaviour_record = token_logprobs(stale, tokens, self.trainer_policy,
+                                                            temperature=cfg.temperature, replay=engine_experts,
+                                                            mesh=self.mesh, **replay_kw)
+            lp_behaviour, behaviour_indices = to_host(lp_behaviour), to_host(behaviour_record.indices)
+        self.last_logprobs = {"current": lp_old, "behaviour": lp_behaviour, "engine": logp_rollout, "mask": mask}
         forwarded = (engine_routes >= 0).all(-1).all(-1)
         flips = routing_metrics(engine_routes, old_indices, valid=forwarded)
+        numerics_flips = routing_metrics(engine_routes, behaviour_indices, valid=forwarded)
+        stale_flips = routing_metrics(behaviour_indices, old_indices, valid=forwarded)
         batch = TrainBatch(tokens=tokens, logp_old=np.asarray(logp_behaviour, np.float32),
                            advantages=np.asarray(advantages), weights=np.asarray(weights), mask=np.asarray(accept),
                            replay=replay, logp_ref=logp_ref, **replay_kw)
         metrics = {"reward_mean": float(rewards.mean()), "reward_correct_fraction": float((rewards == 1.0).mean()),
                    "response_length": float(rollout.completion_lens.mean()), **corr_metrics,
                    "route_flip_rate": flips["route_flip_rate"],
-                   "route_token_any_flip": flips["route_token_any_flip"]}
+                   "route_token_any_flip": flips["route_token_any_flip"],
+                   "behaviour_version": version, "lag": self.step - version,
+                   **split_metrics(lp_old, lp_behaviour, logp_rollout, mask),
+                   "numerics/route_flip_rate": numerics_flips["route_flip_rate"],
+                   "numerics/route_token_any_flip": numerics_flips["route_token_any_flip"],
+                   "staleness/route_flip_rate": stale_flips["route_flip_rate"]}
         return batch, metrics
 
     def train_step(self) -> dict:
         """One GRPO step (collect, `ppo_epochs` updates on the batch, sync the engine); returns its metrics row
-        (the update's metrics are the last epoch's)."""
-        batch, rollout_metrics = self.collect()
+        (the update's metrics are the last epoch's). With `max_lag` k >= 1 the step's batch comes from the
+        worker (generated with the weights of version max(0, step - k)), and once the update is done the batches
+        the new weights generate are queued."""
+        k = self.config.max_lag
+        if k:
+            self._schedule()
+            batch, rollout_metrics = self.collect(self._pending.pop(self.step).result(),
+                                                  behaviour_version(self.step, k))
+        else:
+            batch, rollout_metrics = self.collect()
         params, opt_state = self.params, self.opt_state
         for _ in range(self.config.ppo_epochs):
             params, opt_state, update_metrics = self._apply_update(batch, params, opt_state)
@@ -367,13 +485,19 @@ class Trainer:
         nnx.update(self.model, self.params)
         self.engine.sync_weights(self.model)
         self.step += 1
-        stats = {k: float(v) for k, v in update_metrics.items() if k not in ("loss", "grad_norm")}
+        if k:
+            self.behaviour[self.step] = self.params
+            self.behaviour = {v: p for v, p in self.behaviour.items() if v >= behaviour_version(self.step, k)}
+            self._schedule()  # the worker starts on the batches these weights generate
+        stats = {name: float(v) for name, v in update_metrics.items() if name not in ("loss", "grad_norm")}
         return {"step": self.step, **{k: rollout_metrics[k] for k in ("reward_mean", "reward_correct_fraction",
                                                                        "response_length")},
                 "loss": loss, "grad_norm": gnorm, **stats,
                 **{k: v for k, v in rollout_metrics.items() if k.startswith("rollout_corr/")},
                 "route_flip_rate": rollout_metrics["route_flip_rate"],
-                "route_token_any_flip": rollout_metrics["route_token_any_flip"]}
+                "route_token_any_flip": rollout_metrics["route_token_any_flip"],
+                **{name: v for name, v in rollout_metrics.items()
+                   if name in ("behaviour_version", "lag") or name.startswith(("numerics/", "staleness/"))}}
 
     def evaluate(self) -> float:
         """Mean reward of greedy completions on the held-out items, decoded under the trainer's policy (the same

@@ -11,6 +11,7 @@ from jaxalign.interop.families.glm_moe_dsa import GlmMoeDsa
 from jaxalign.interop.families.mixtral import Mixtral
 from jaxalign.interop.families.olmoe import Olmoe
 from jaxalign.interop.families.qwen2_moe import Qwen2Moe
+from jaxalign.interop.families.qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeText
 from jaxalign.interop.families.qwen3_moe import Qwen3Moe
 
 _FAMILIES: dict[str, Family] = {}
@@ -39,5 +40,6 @@ def get(model_type: str) -> Family:
     return _FAMILIES[model_type]
 
 
-for _family in (Qwen3Moe(), Qwen2Moe(), Mixtral(), Olmoe(), Glm4Moe(), DeepseekV3(), GlmMoeDsa()):
+for _family in (Qwen3Moe(), Qwen2Moe(), Mixtral(), Olmoe(), Glm4Moe(), DeepseekV3(), GlmMoeDsa(), Qwen3_5MoeText(),
+                Qwen3_5Moe()):
     register(_family)

@@ -49,6 +49,10 @@ class Family:
         not run; say so in `refuse` or the docs). By default every tensor must be used."""
         return False
 
+    def ignored_note(self) -> str:
+        """What `load` warns when it left tensors out (`ignores`)."""
+        return "tensors this family does not run"
+
     # --- config.json -> ModelConfig ---------------------------------------------------------------------------
     def refuse(self, hf: dict) -> None:
         """Raise ValueError for a config feature this mapping does not implement, naming the field, its value

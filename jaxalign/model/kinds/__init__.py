@@ -7,7 +7,7 @@ state (an opaque pytree: init, reset of refilled rows, bytes), its LoRA targets,
 and its `jaxalign check` probes. `docs/adding-a-family.md` walks through adding one.
 
 Registered here: `gqa` (grouped-query attention), `mla` (multi-head latent attention), `dsa` (MLA with the
-DeepSeek sparse attention indexer).
+DeepSeek sparse attention indexer), `gated_deltanet` (Qwen3.5 / Qwen3-Next linear attention).
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def kind_of(cfg, layer: int) -> LayerKind:
 
 
 def _register_builtin() -> None:
+    from jaxalign.model.kinds.deltanet import GatedDeltaNetKind
     from jaxalign.model.kinds.gqa import GQA
     from jaxalign.model.kinds.mla import DSA, MLA
-    for kind in (GQA(), MLA(), DSA()):
+    for kind in (GQA(), MLA(), DSA(), GatedDeltaNetKind()):
         register(kind)
 
 

@@ -51,7 +51,8 @@ class GQA(LayerKind):
     def hf_params(self, cfg, take, prefix: str) -> dict:
         d, hd = cfg.d_model, cfg.head_dim
         q_dim, kv_dim, p = cfg.n_heads * hd, cfg.n_kv_heads * hd, prefix + "self_attn."
-        attn = {"q_proj": hf_linear(take, p + "q_proj", d, q_dim, cfg.qkv_bias),
+        q_out = 2 * q_dim if cfg.attn_output_gate else q_dim  # each head's query, then its output gate
+        attn = {"q_proj": hf_linear(take, p + "q_proj", d, q_out, cfg.qkv_bias),
                 "k_proj": hf_linear(take, p + "k_proj", d, kv_dim, cfg.qkv_bias),
                 "v_proj": hf_linear(take, p + "v_proj", d, kv_dim, cfg.qkv_bias),
                 "o_proj": hf_linear(take, p + "o_proj", q_dim, d, False)}

@@ -1,0 +1,72 @@
+"""RL steps per second, synchronous against asynchronous rollouts (`RLConfig.max_lag` 1 and 2), in one process.
+
+    python benchmarks/async_throughput.py [--lags 0,1,2] [--steps 4] [--repeats 3] [--prompts 8] [--new-tokens 24]
+
+One `Trainer` per lag on the `countdown` model (random init: throughput only), aligned-bf16 on both sides. Each
+trainer's first step (compilation) is untimed. Then `--repeats` rounds, each running a block of `--steps` GRPO
+steps on every trainer in rotating order; a block's time includes waiting for the batches its worker queued
+ahead, so no trainer is credited with generation done while another was timed. A lag's figure is its best
+block. Writes benchmarks/results/async_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import interleaved_best, write_json  # noqa: E402,I001
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lags", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=4, help="GRPO steps per timed block")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (x group size 4)")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "async_throughput.json"))
+    args = parser.parse_args(argv)
+    from flax import nnx
+
+    import jaxalign as ja
+    from jaxalign.rl.trainer import RLConfig, Trainer
+
+    lags = [int(x) for x in args.lags.split(",")]
+    model = ja.Transformer(ja.ModelConfig.preset("countdown"), rngs=nnx.Rngs(0))
+    work = tempfile.mkdtemp(prefix="async_throughput_")
+    trainers = {}
+    for lag in lags:
+        cfg = RLConfig(steps=10_000, prompts_per_step=args.prompts, max_new_tokens=args.new_tokens, max_lag=lag,
+                       eval_every=10_000, checkpoint_every=10_000)
+        trainers[lag] = Trainer(model, cfg, os.path.join(work, f"lag{lag}"))
+        trainers[lag].train_step()  # compiles every program this lag runs
+
+    def block(trainer):
+        def run() -> float:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                trainer.train_step()
+            for future in trainer._pending.values():  # generation queued ahead is part of this block
+                future.result()
+            return time.perf_counter() - start
+        return run
+
+    best = interleaved_best({lag: block(t) for lag, t in trainers.items()}, args.repeats)
+    rows = [{"max_lag": lag, "best_block_s": best[lag], "steps_per_s": args.steps / best[lag],
+             "speedup_vs_sync": best[lags[0]] / best[lag] if lags[0] == 0 else None} for lag in lags]
+    print(f"{'max_lag':>8} {'steps/s':>9} {'vs sync':>8}")
+    for r in rows:
+        speed = "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x"
+        print(f"{r['max_lag']:>8} {r['steps_per_s']:>9.3f} {speed:>8}")
+    return write_json(args.out, {"settings": {"model": "countdown", "policies": "aligned-bf16/aligned-bf16",
+                                              "prompts_per_step": args.prompts, "group_size": 4,
+                                              "max_new_tokens": args.new_tokens, "steps_per_block": args.steps,
+                                              "repeats": args.repeats}, "results": rows})
+
+
+if __name__ == "__main__":
+    main()
