@@ -21,6 +21,8 @@ import os
 import re
 import sys
 
+from jaxalign.rl.experiment import eval_set
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 README = os.path.join(ROOT, "README.md")
@@ -92,7 +94,7 @@ def demo_table(record: dict) -> str:
                      _pct(v["route_flip_rate"]), f"{int(v['steps_with_nonzero_kl'])} of {record['config']['steps']}"])
     cfg = record["config"]
     note = (f"_{cfg['steps']} GRPO steps of {cfg['prompts_per_step']} problems x {cfg['group_size']} samples, seed "
-            f"{', '.join(map(str, cfg['seeds']))}, held-out reward on {cfg['eval_problems']} problems; from "
+            f"{', '.join(map(str, cfg['seeds']))}, reward on {eval_set(record)}; from "
             f"`{SOURCES['demo']}` ({_machine(record)})._")
     return _markdown(header, rows) + "\n\n" + note
 
@@ -142,7 +144,7 @@ def record_demo(run_dir: str, out: str = os.path.join(ROOT, SOURCES["demo"])) ->
     with open(os.path.join(run_dir, "run.json")) as f:
         run = json.load(f)
     record = {"command": "jaxalign demo", "host": run["host"],
-              **{k: summary[k] for k in ("config", "arms", "seconds") if k in summary}}
+              **{k: summary[k] for k in ("config", "arms", "eval_size", "seconds") if k in summary}}
     with open(out, "w") as f:
         json.dump(record, f, indent=2)
         f.write("\n")

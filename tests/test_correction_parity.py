@@ -176,6 +176,48 @@ def test_grpo_advantages_match_verl_and_population_std_is_an_option():
         group_advantages([1.0, 0.0], 2, std="sample")
 
 
+@pytest.mark.parametrize("case", range(6))
+def test_dual_clip_is_verl_vanilla_loss(case):
+    """GRPOConfig(clip_high=0.2, clip_ratio_c=3.0) is verl's vanilla policy loss (token-mean) with its
+    pg_clipfrac and pg_clipfrac_lower, on generated batches including hostile ones: ratios far outside the band
+    (up to e^8), advantages of both signs and zero, rows with no valid token, and IS weights of 1."""
+    rng = np.random.default_rng(100 + case)
+    b, s = 5, 9
+    logp_old = np.log(rng.uniform(0.01, 1, (b, s)))
+    spread = [0.05, 0.5, 2.0, 4.0, 8.0, 1.0][case]
+    logp = logp_old + rng.normal(0, spread, (b, s))
+    adv = rng.choice([-2.0, -0.7, 0.0, 0.4, 1.5], b)
+    mask = rng.uniform(size=(b, s)) < 0.7
+    mask[case % b] = False  # a row with nothing valid
+    lp, lpo = jnp.asarray(logp, jnp.float32), jnp.asarray(logp_old, jnp.float32)
+    loss, stats = policy_loss(lp, lpo, jnp.asarray(adv, jnp.float32), jnp.ones((b, s)), jnp.asarray(mask),
+                              GRPOConfig(clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0))
+    ratio = np.exp(np.clip(np.asarray(lp - lpo, np.float64), -20, 20))
+    advs = np.broadcast_to(adv[:, None], ratio.shape)
+    want, frac, lower = verl.vanilla_policy_loss(ratio.ravel().tolist(), advs.ravel().tolist(), mask.ravel().tolist(),
+                                                 0.2, 0.2, 3.0)
+    assert float(loss) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert float(stats["clip_fraction"]) == pytest.approx(frac, abs=1e-6)
+    assert float(stats["clip_fraction_lower"]) == pytest.approx(lower, abs=1e-6)
+
+
+def test_dual_clip_changes_the_loss_only_where_a_negative_advantage_meets_a_large_ratio():
+    """The option is real (the loss moves when ratio > c with A < 0) and off by default, a deliberate difference
+    from verl listed in grpo's docstring, as is clip_high 0.28 (DAPO's clip-higher; verl 0.2)."""
+    default = GRPOConfig()
+    assert default.clip_ratio_c is None and default.clip_high == 0.28 and default.clip_low == 0.2
+    logp_old = jnp.zeros((2, 3), jnp.float32)
+    logp = jnp.asarray([[2.0, 0.1, -0.1], [2.0, 0.1, -0.1]], jnp.float32)  # ratio e^2 = 7.4 > 3 in column 0
+    mask, w = jnp.ones((2, 3), bool), jnp.ones((2, 3))
+    for adv, moves in (([-1.0, -1.0], True), ([1.0, 1.0], False)):
+        off, s_off = policy_loss(logp, logp_old, jnp.asarray(adv), w, mask, GRPOConfig())
+        on, s_on = policy_loss(logp, logp_old, jnp.asarray(adv), w, mask, GRPOConfig(clip_ratio_c=3.0))
+        assert (float(on) != float(off)) == moves
+        assert "clip_fraction_lower" not in s_off and float(s_on["clip_fraction_lower"]) == pytest.approx(2 / 6 if moves else 0, abs=1e-7)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        GRPOConfig(clip_ratio_c=1.0)
+
+
 def test_clip_fraction_is_verl_pg_clipfrac_by_default():
     rng = np.random.default_rng(6)
     logp_old = jnp.asarray(np.log(rng.uniform(0.1, 1, (6, 10))), jnp.float32)

@@ -152,6 +152,11 @@ def test_bad_rl_settings():
         GRPOConfig(group_size=1)
     with pytest.raises(ValueError, match="allowed keys|allowed:"):
         RLConfig(trainer_policy="warp=9")
+    # float16 training would need dynamic loss scaling, which jaxalign does not implement: refused, naming the
+    # fields; an f16 engine is a real engine set-up and stays allowed
+    with pytest.raises(ValueError, match=r"f16 in compute_dtype, matmul_acc: float16 training needs dynamic loss"):
+        RLConfig(trainer_policy="aligned-bf16,compute=f16,matmul=f16")
+    assert RLConfig(engine_policy="serve-bf16,compute=f16").engine_policy.f16_fields == ("compute_dtype",)
 
 
 def test_kl_to_reference_is_logged_and_grows_from_zero(base, tmp_path):
@@ -165,23 +170,77 @@ def test_kl_to_reference_is_logged_and_grows_from_zero(base, tmp_path):
 KILL_SETTINGS = {"steps": 6, "checkpoint_every": 2, "eval_every": 2}
 
 
-def test_sigkill_after_a_checkpoint_then_rerun_gives_the_uninterrupted_metrics_bitwise(base, tmp_path):
+@pytest.fixture(scope="module")
+def straight(base, tmp_path_factory):
+    """An uninterrupted run of KILL_SETTINGS (its directory); the caller's model is left untouched."""
+    model = _model(base)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(nnx.state(model))]
+    run = tmp_path_factory.mktemp("sync") / "straight"
+    Trainer(model, rl_config(**KILL_SETTINGS), str(run)).run(progress=False)
+    for a, b in zip(before, jax.tree.leaves(nnx.state(model))):  # the trainer trained its own copy
+        np.testing.assert_array_equal(a, np.asarray(b))
+    return run
+
+
+def test_sigkill_after_a_checkpoint_then_rerun_gives_the_uninterrupted_metrics_bitwise(base, tmp_path, straight):
     """The issue's case: killed just after its first checkpoint, the same command again must keep the warm-start
     evaluation (step 0) and steps 1-2, and leave metrics.jsonl byte-identical to an uninterrupted run's."""
     from jaxalign.rl.rundir import RunMismatch
 
-    model = _model(base)
-    before = [np.asarray(x).copy() for x in jax.tree.leaves(nnx.state(model))]
-    straight = tmp_path / "straight"
-    Trainer(model, rl_config(**KILL_SETTINGS), str(straight)).run(progress=False)
-    for a, b in zip(before, jax.tree.leaves(nnx.state(model))):  # the trainer trained its own copy
-        np.testing.assert_array_equal(a, np.asarray(b))
     killed = _kill_after_first_checkpoint_and_rerun(base, tmp_path, KILL_SETTINGS)
     assert (killed / "metrics.jsonl").read_bytes() == (straight / "metrics.jsonl").read_bytes()
 
     # the finished directory refuses another setting instead of reporting its numbers as the new run's
     with pytest.raises(RunMismatch, match=r"learning_rate: 0.0003 -> 0.123"):
         Trainer(_model(base), rl_config(**KILL_SETTINGS, learning_rate=0.123), str(killed))
+
+
+def test_two_identical_commands_on_one_directory_one_refuses_and_the_rows_are_a_lone_runs(base, tmp_path, straight):
+    """Two identical runs started together on one directory: one exits 2 naming the holder (no traceback, nothing
+    of the directory touched), the other finishes, and metrics.jsonl holds every step once, byte-identical to a
+    lone run's. Once the holder has exited, the directory is free again (the kernel dropped the lock)."""
+    import subprocess
+    import sys
+
+    cache, _ = base
+    shared = tmp_path / "shared"
+    tests = os.path.dirname(__file__)
+    command = [sys.executable, os.path.join(tests, "rl_run_worker.py"), tests, cache, str(shared),
+               json.dumps(KILL_SETTINGS)]
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], outs
+    refused = outs[[p.returncode for p in procs].index(2)][1]
+    assert "is in use by pid" in refused and "Traceback" not in refused, refused
+    assert (shared / "metrics.jsonl").read_bytes() == (straight / "metrics.jsonl").read_bytes()
+    from jaxalign.rl.rundir import hold
+    with hold(str(shared)):  # free: the finished holder's exit released it
+        pass
+
+
+def test_a_held_directory_is_refused_by_the_command_line_without_a_traceback(tmp_path, capsys):
+    """`jaxalign experiment countdown --out DIR` while another process holds DIR: exit 2, the message names the
+    directory and the holder's pid, and the directory is left as it was."""
+    import subprocess
+    import sys
+
+    from jaxalign.cli import main
+
+    out = tmp_path / "busy"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from jaxalign.rl.rundir import hold; "
+                               f"h = hold({str(out)!r}); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = sorted(os.listdir(out))
+        assert main(["experiment", "countdown", "--out", str(out), "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"{out} is in use by pid {holder.pid}" in err and "Traceback" not in err, err
+        assert sorted(os.listdir(out)) == before
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def _kill_after_first_checkpoint_and_rerun(base, tmp_path, settings):

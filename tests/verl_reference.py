@@ -221,3 +221,19 @@ def pg_clipfrac(ratios, advantages, valid, clip_low: float, clip_high: float) ->
         clipped = -adv * min(max(ratio, 1.0 - clip_low), 1.0 + clip_high)
         active.append(float(clipped > unclipped))
     return _mean(active, valid)
+
+
+def vanilla_policy_loss(ratios, advantages, valid, clip_low: float, clip_high: float, clip_ratio_c: float):
+    """verl's `compute_policy_loss_vanilla` with token-mean aggregation, per its documented behaviour: the PPO
+    clipped loss max(-A*r, -A*clip(r)); for A < 0 it is further capped at -A*clip_ratio_c (dual-clip, always on in
+    verl). Returns (loss, pg_clipfrac, pg_clipfrac_lower)."""
+    losses, active, lower = [], [], []
+    for ratio, adv in zip(ratios, advantages):
+        unclipped = -adv * ratio
+        clipped = -adv * min(max(ratio, 1.0 - clip_low), 1.0 + clip_high)
+        loss1 = max(unclipped, clipped)
+        active.append(float(clipped > unclipped))
+        cap = -adv * clip_ratio_c
+        lower.append(float(loss1 > cap and adv < 0))
+        losses.append(min(cap, loss1) if adv < 0 else loss1)
+    return _mean(losses, valid), _mean(active, valid), _mean(lower, valid)

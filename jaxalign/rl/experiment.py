@@ -130,10 +130,18 @@ def run_arms(exp: ExperimentConfig, out_dir: str, *, progress: bool = True, what
     `jobs` > 1 runs that many at once, each in its own process (results are identical: each run is deterministic
     and owns its directory). `order`: "arms" (arm by arm) or "priority" (the first two arms at every seed, then
     seed by seed), the order in which a long study is most useful when stopped part way."""
-    from tqdm import tqdm
-
     if jobs < 1:
         raise ValueError(f"jobs = {jobs}; allowed: >= 1")
+    held = rundir.hold(out_dir, what=what)  # a second command on this directory is refused, naming this one
+    try:
+        return _run_arms(exp, out_dir, progress=progress, what=what, jobs=jobs, claim=claim, order=order)
+    finally:
+        held.release()
+
+
+def _run_arms(exp, out_dir, *, progress, what, jobs, claim, order) -> dict:
+    from tqdm import tqdm
+
     if claim:
         rundir.claim(out_dir, experiment_record(exp), what=what)
     warm_start(ModelConfig.preset(exp.model), exp.sft, os.path.join(out_dir, "cache"), progress=progress)
@@ -209,12 +217,21 @@ def summarize(runs: dict, exp: ExperimentConfig) -> dict:
                            "spec": spec.spec(),
                            **{k: float(np.mean([s[k] for s in per_seed])) for k in keys}, **spread,
                            "per_seed": per_seed}
-    return {"config": exp.to_dict(), "arms": arms}
+    return {"config": exp.to_dict(), "arms": arms, "eval_size": len(exp.task().eval_items(exp.seeds[0]))}
 
 
 SUMMARY_COLUMNS = ["arm", "warm_start_reward", "final_reward", "final_reward_std", "peak_reward", "rise", "rise_std",
                    "train_reward_start", "train_reward_end", "mean_kl", "mean_k3", "max_abs_logp_diff",
                    "rejected_fraction", "route_flip_rate", "steps_with_nonzero_kl"]
+
+
+def eval_set(summary: dict) -> str:
+    """What a summary's evaluation rewards are measured on, in words (older summaries lack `eval_size`)."""
+    cfg = summary["config"]
+    size = summary.get("eval_size", cfg["eval_problems"])
+    if cfg.get("held_out"):
+        return f"the {size} held-out problems (a hashed {cfg['held_out']:.0%} split no run ever trains on)"
+    return f"{size} problems drawn like the training problems"
 
 
 def summary_markdown(summary: dict) -> str:
@@ -225,7 +242,7 @@ def summary_markdown(summary: dict) -> str:
     cfg = summary["config"]
     return (f"# Countdown: {', '.join(summary['arms'])}\n\n{cfg['steps']} steps, seeds {cfg['seeds']}, "
             f"{cfg['prompts_per_step']} problems x {cfg['group_size']} samples per step, model `{cfg['model']}`. "
-            f"Rewards are greedy held-out rewards on {cfg['eval_problems']} problems; KL / k3 / rejected "
+            f"Rewards are greedy rewards on {eval_set(summary)}; KL / k3 / rejected "
             f"fraction are means over steps and seeds.\n\n" + head + body)
 
 

@@ -1,11 +1,18 @@
 """GRPO: group-normalised advantages and the PPO-clip policy loss (with IS weights and a rejection mask from
 `correction`).
 
-Defaults are verl's (`verl/trainer/ppo/core_algos.py`, checked in tests/test_correction_parity.py): advantages
-divide by the unbiased std of the group (`torch.std`), and `clip_fraction` is verl's `pg_clipfrac`, the fraction of
-valid tokens where clipping is active (the clipped term is the one `min` keeps). The population std
-(`std="population"`, 1.15x larger advantages at G=4) and the fraction of ratios outside the band whichever term
-wins (`GRPOConfig(clip_fraction="outside")`) are options.
+Mirrors verl's `compute_policy_loss_vanilla` (`verl/trainer/ppo/core_algos.py`, checked in
+tests/test_correction_parity.py): advantages divide by the unbiased std of the group (`torch.std`), and
+`clip_fraction` is verl's `pg_clipfrac`, the fraction of valid tokens where clipping is active (the clipped term is
+the one `min` keeps). The population std (`std="population"`, 1.15x larger advantages at G=4) and the fraction of
+ratios outside the band whichever term wins (`GRPOConfig(clip_fraction="outside")`) are options.
+
+Deliberate differences from verl's defaults (pinned by tests/test_correction_parity.py):
+- `clip_high` = 0.28, DAPO's clip-higher (verl: `clip_ratio_high` = `clip_ratio` = 0.2). `clip_low` is verl's 0.2.
+- Dual-clip is off (`clip_ratio_c=None`; verl applies it always, `clip_ratio_c` = 3.0): with
+  `GRPOConfig(clip_ratio_c=3.0)` a negative-advantage token's loss is capped at -A * 3.0 as in verl, and
+  `clip_fraction_lower` (verl's `pg_clipfrac_lower`) is reported. `GRPOConfig(clip_high=0.2, clip_ratio_c=3.0)` is
+  verl's vanilla loss.
 
 The advantage estimator and the loss aggregation are named parts (`jaxalign.rl.registry`): GRPO's own
 (`group-std`; `token-mean`, `seq-mean-token-mean`) are registered here, variants in `jaxalign/rl/variants/`
@@ -41,6 +48,7 @@ class GRPOConfig:
     kl_coef: float = 0.0
     clip_fraction: str = "active"
     advantage: str = "group-std"
+    clip_ratio_c: float | None = None  # dual-clip's cap on negative advantages (verl's clip_ratio_c); None = off
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -51,6 +59,9 @@ class GRPOConfig:
             raise ValueError(f"loss_agg = {self.loss_agg!r}; allowed: {', '.join(LOSS_AGGREGATIONS)}")
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"advantage = {self.advantage!r}; allowed: {', '.join(ADVANTAGES)}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c = {self.clip_ratio_c}; allowed: > 1.0 (verl's dual-clip bound, e.g. 3.0) "
+                             f"or None (off)")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef = {self.kl_coef}; allowed: >= 0")
         if self.clip_fraction not in CLIP_FRACTIONS:
@@ -130,7 +141,12 @@ def policy_loss(logp, logp_old, advantages, weights, mask, cfg: GRPOConfig, logp
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
-    per_token = -jnp.minimum(unclipped, clipped) * weights
+    per_token = -jnp.minimum(unclipped, clipped)
+    if cfg.clip_ratio_c is not None:  # dual-clip: a negative advantage's loss is capped at -A * c (verl)
+        capped = -adv * cfg.clip_ratio_c
+        lower = (per_token > capped) & (adv < 0)
+        per_token = jnp.where(adv < 0, jnp.minimum(per_token, capped), per_token)
+    per_token = per_token * weights
     kl_ref = jnp.zeros_like(per_token)
     if logp_ref is not None and cfg.kl_coef > 0:
         m = jnp.clip(logp_ref - logp, -20.0, 20.0)
@@ -143,6 +159,8 @@ def policy_loss(logp, logp_old, advantages, weights, mask, cfg: GRPOConfig, logp
     active = (-clipped > -unclipped) if cfg.clip_fraction == "active" else (unclipped != clipped)
     stats = {"clip_fraction": total(active.astype(jnp.float32), policy, mask) / n,
              "ratio_mean": total(ratio, policy, mask) / n, "kl_ref": total(kl_ref, policy, mask) / n}
+    if cfg.clip_ratio_c is not None:
+        stats["clip_fraction_lower"] = total(lower.astype(jnp.float32), policy, mask) / n
 
     return loss, stats
 

@@ -12,14 +12,25 @@ keeps exactly the rows up to the restored step (dropping rows of steps that will
 line) and rewrites the file atomically. So after a SIGKILL at any moment, running the same command again leaves
 every step exactly once, and the file is byte-identical to an uninterrupted run's (wall-clock times go to
 `timing.jsonl`, which is not part of that promise).
+
+`hold(run_dir)` makes a directory one process's at a time: an exclusive `flock` on `run_dir/.lock`, taken before
+anything in the directory is read or written, so a second command on the same `--out` is refused (`RunDirBusy`,
+naming the holder's pid, host, start time and command) instead of interleaving its rows and checkpoints with the
+first's. The kernel releases the lock when its holder exits, however it exits (SIGKILL included), so a killed run
+never leaves the directory stuck; the holder's details in the file are only a message, never trusted as the lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
 import os
+import socket
+import sys
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -27,11 +38,74 @@ import numpy as np
 from jaxalign.numerics.platforms import cpu_model_and_flags, effective_isa
 
 RUN_FILE = "run.json"
+LOCK_FILE = ".lock"
 _RECORD_KEYS = ("settings", "code", "start_weights")  # must match to continue a run
 
 
 class RunMismatch(ValueError):
     """An existing run directory was produced by other settings, another build or other starting weights."""
+
+
+class RunDirBusy(ValueError):
+    """The run directory is held by another process (`hold`): a usage error, as the command line reports it."""
+
+
+_held: dict[str, list] = {}  # real path -> [open lock file, holds]: this process's locks (a hold is reentrant)
+_held_guard = threading.Lock()
+
+
+class _Hold:
+    """One hold of a run directory; `release()` (or leaving the `with` block) gives it back, once."""
+
+    def __init__(self, key: str):
+        self.key, self._released = key, False
+
+    def release(self) -> None:
+        """Give this hold back; the lock is released when this process's last hold on the directory is."""
+        with _held_guard:
+            if self._released:
+                return
+            self._released = True
+            entry = _held[self.key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _held[self.key]
+                entry[0].close()  # closing the descriptor releases the flock
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def hold(run_dir: str, *, what: str = "run") -> _Hold:
+    """Take `run_dir` for this process (see the module docstring), creating it if needed; `RunDirBusy` naming
+    the holder when another process has it. Reentrant within a process (a study holds its directory while its
+    trainers hold theirs), so only other processes are refused."""
+    os.makedirs(run_dir, exist_ok=True)
+    key = os.path.realpath(run_dir)
+    with _held_guard:
+        if key in _held:
+            _held[key][1] += 1
+            return _Hold(key)
+        handle = open(os.path.join(run_dir, LOCK_FILE), "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process (starting)"
+            handle.close()
+            raise RunDirBusy(f"{run_dir} is in use by {holder}: two commands on one output directory would "
+                             f"write the same rows and checkpoints; wait for it to finish (a killed holder "
+                             f"releases it at once) or choose another directory for this {what}") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)[:300]})\n")
+        handle.flush()
+        _held[key] = [handle, 1]
+        return _Hold(key)
 
 
 def host_info() -> dict:

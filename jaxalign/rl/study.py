@@ -206,6 +206,11 @@ def run_study(study: StudyConfig, out_dir: str, *, progress: bool = True, jobs: 
               only: tuple[str, ...] | None = None) -> dict:
     """Calibrate (once; `calibration.json`), then run every arm and seed (resumable; `only`: those arms, by name),
     then write the report (`write_report`)."""
+    with rundir.hold(out_dir, what="study"):  # one command per study directory (reentrant for run_arms)
+        return _run_study(study, out_dir, progress=progress, jobs=jobs, only=only)
+
+
+def _run_study(study, out_dir, *, progress, jobs, only) -> dict:
     from jaxalign.model.config import ModelConfig
     from jaxalign.rl.sft import warm_start
 

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -88,6 +89,11 @@ class RLConfig:
     def __post_init__(self):
         for side in ("trainer_policy", "engine_policy"):
             object.__setattr__(self, side, NumericPolicy.coerce(getattr(self, side), label=side))
+        if self.trainer_policy.f16_fields:
+            raise ValueError(
+                f"trainer_policy asks for f16 in {', '.join(self.trainer_policy.f16_fields)}: float16 training "
+                f"needs dynamic loss scaling (gradients below 6e-8 flush to zero, above 65504 overflow), which "
+                f"jaxalign does not implement; allowed trainer dtypes: f32, bf16 (an f16 engine_policy is allowed)")
         parse_mesh_spec(self.trainer_mesh)
         parse_mesh_spec(self.engine_mesh)
         if self.mode not in MODES:
@@ -118,6 +124,8 @@ class RLConfig:
             out[field.name] = value
         if not self.max_lag:  # synchronous runs record what they recorded before the field existed (they resume)
             del out["max_lag"]
+        if out["grpo"]["clip_ratio_c"] is None:  # likewise runs without dual-clip
+            del out["grpo"]["clip_ratio_c"]
         return json.loads(json.dumps(out))
 
 
@@ -269,7 +277,9 @@ class Trainer:
         self.step = 0
         from jaxalign.distributed import is_primary
         self.primary = is_primary()  # with several processes, one writes the run's files
-        if self.primary:  # refuse a directory holding another configuration's run before touching it
+        if self.primary:  # refuse a directory in use, or holding another configuration's run, before touching it
+            self._hold = rundir.hold(run_dir)
+            weakref.finalize(self, self._hold.release)
             rundir.claim(run_dir, rundir.make_record({"rl": config.to_dict(), "task": self.task.describe()},
                                                      start_weights))
         os.makedirs(run_dir, exist_ok=True)
