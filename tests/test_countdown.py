@@ -112,6 +112,24 @@ def test_the_held_out_split_is_never_drawn_for_training_and_is_the_whole_evaluat
         CountdownTask(held_out=1.0)
 
 
+def test_the_default_experiments_held_out_problems_never_occur_among_its_training_problems():
+    """`jaxalign experiment countdown` and `jaxalign demo` by default evaluate on a held-out split: none of its
+    problems is drawn for RL training (any seed, any step) or for the SFT warm start."""
+    from jaxalign.rl.experiment import ExperimentConfig
+    from jaxalign.rl.sft import sft_problems
+
+    exp = ExperimentConfig()
+    task = exp.task()
+    assert exp.held_out > 0 and exp.sft.held_out == exp.held_out
+    key = lambda p: (tuple(sorted(p.numbers)), p.target)  # noqa: E731
+    held = {key(p) for p in task.eval_items(seed=0)}
+    assert held and held == {key(p) for p in task.eval_items(seed=3)}
+    drawn = {key(p) for seed in range(4) for step in range(exp.steps) for p in task.train_items(
+        step, exp.prompts_per_step, seed)}
+    assert drawn and not drawn & held
+    assert not {key(p) for p in sft_problems(exp.sft)} & held
+
+
 def test_a_held_out_split_of_a_large_space_is_sampled_and_still_disjoint_from_training():
     problems = countdown.held_out_problems(0.1, count=(3, 3), high=60, limit=40)
     assert len({(tuple(sorted(p.numbers)), p.target) for p in problems}) == 40

@@ -26,6 +26,18 @@ def test_overrides_round_trip_and_reach_the_run_config():
     assert set(option_keys()) >= {"learning_rate", "group_size", "advantage", "loss_agg", "rs", "temperature"}
 
 
+def test_lag_is_an_arm_axis_and_dual_clip_an_arm_option():
+    """`;lag=k` (short for max_lag) makes an arm asynchronous; `;clip_ratio_c=3` turns verl's dual-clip on."""
+    arm = parse_arm("stale=aligned-bf16/serve-bf16;correction=tis:2;lag=2;clip_ratio_c=3")
+    assert arm.spec() == "stale=aligned-bf16/serve-bf16;correction=tis:2;clip_ratio_c=3.0;max_lag=2"
+    assert parse_arm(arm.spec()) == arm
+    cfg = run_config(ExperimentConfig(), arm, seed=0)
+    assert (cfg.max_lag, cfg.grpo.clip_ratio_c) == (2, 3.0)
+    assert run_config(ExperimentConfig(), parse_arm("x=aligned-bf16/serve-bf16"), seed=0).max_lag == 0
+    with pytest.raises(ValueError, match="max_lag"):
+        parse_arm("x=aligned-bf16/serve-bf16;lag=-1")
+
+
 @pytest.mark.parametrize("text, needle", [
     ("x=fp32/fp32;steps=3", "steps is not an arm option: every arm runs"),
     ("x=fp32/fp32;seed=1", "seed is not an arm option"),

@@ -11,6 +11,7 @@ from jaxalign.cli.args import (add_json_arg, add_mesh_args, checked_text, field_
 from jaxalign.rl.arms import GRAMMAR, parse_arms
 from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experiment
 from jaxalign.rl.sft import ANSWERS as SFT_ANSWERS, SFTConfig, parse_answers as parse_sft_answers
+from jaxalign.rl.staleness_study import LAGS, StalenessConfig, grid_markdown, run_grid, write_grid_report
 from jaxalign.rl.study import StudyConfig, default_experiment, run_study, study_markdown, write_report
 
 
@@ -116,6 +117,7 @@ def add_parser(sub) -> None:
     add_mesh_args(e)
     e.set_defaults(func=run)
     add_study_parser(esub)
+    add_staleness_parser(esub)
 
 
 def add_jobs_arg(parser) -> None:
@@ -155,6 +157,40 @@ def add_study_parser(esub) -> None:
     add_jobs_arg(s)
     add_json_arg(s)
     s.set_defaults(func=run_study_command)
+
+
+def run_staleness_command(args) -> int:
+    """Run (or only report, --report) the staleness x numerics grid in --out and print its table and verdict."""
+    if args.report:
+        result = write_grid_report(args.out)
+    else:
+        exp = default_experiment()
+        exp = dataclasses.replace(exp, seeds=tuple(args.seeds) if args.seeds is not None else exp.seeds,
+                                  steps=args.steps or exp.steps)
+        output_dir(args.out)
+        result = run_grid(StalenessConfig(experiment=exp, lags=tuple(args.lags)), args.out,
+                          progress=not args.json, jobs=args.jobs, only=tuple(args.only) if args.only else None)
+    print(report.to_json(result) if args.json else grid_markdown(result))
+    return 0
+
+
+def add_staleness_parser(esub) -> None:
+    """`jaxalign experiment staleness`: lag x engine (jaxalign.rl.staleness_study)."""
+    exp = default_experiment()
+    s = esub.add_parser("staleness", help="asynchronous rollouts: lag x engine grid, the seed-regime study's "
+                                          "settings; which gap (staleness or numerics) dominates learning")
+    s.add_argument("--out", required=True, help="grid directory (resumes runs found there)")
+    s.add_argument("--seeds", type=int_list_nonneg, default=None, help=f"seeds (default {_ints_text(exp.seeds)})")
+    s.add_argument("--steps", type=positive_int, default=None, help=f"RL steps of each run (default {exp.steps})")
+    s.add_argument("--lags", type=int_list_nonneg, default=list(LAGS),
+                   help=f"max_lag values, 0 included (default {_ints_text(LAGS)})")
+    s.add_argument("--only", type=str_list, default=None,
+                   help="run only these arms (comma-separated names ENGINE.lagK, as staleness.md lists them)")
+    s.add_argument("--report", action="store_true",
+                   help="train nothing: rebuild staleness.json, staleness.md and the plots from the directory's files")
+    add_jobs_arg(s)
+    add_json_arg(s)
+    s.set_defaults(func=run_staleness_command)
 
 
 def _ints_text(values) -> str:

@@ -35,6 +35,7 @@ from jaxalign.rl.options import field_types, format_value, is_nested_config
 from jaxalign.rl.trainer import RLConfig
 
 OPTIONS = ("correction", "replay")  # the arm's own options (the correction's text grammar, the replay mode)
+ALIASES = {"lag": "max_lag"}  # short keys an --arm string may use (`;lag=2`), written back by their field's name
 BUILTIN = {
     "aligned": "aligned=aligned-bf16/aligned-bf16",
     "misaligned": "misaligned=train-bf16/serve-bf16",
@@ -57,7 +58,8 @@ FIXED = {
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 GRAMMAR = (f"NAME=TRAINER/ENGINE[;correction=MODE][;replay={'|'.join(REPLAY_MODES)}][;KEY=VALUE...], e.g. "
            "'mine=aligned-bf16,kernel=xla/serve-bf16;correction=tis:2+rs:seq_mean_k1:0.999_1.001;replay=r3;"
-           "learning_rate=2e-3' (KEY: a field of RLConfig, GRPOConfig or CorrectionConfig) or a built-in name ("
+           "learning_rate=2e-3' (KEY: a field of RLConfig, GRPOConfig or CorrectionConfig; lag = max_lag) or a "
+           "built-in name ("
            + ", ".join(BUILTIN) + ")")
 
 
@@ -202,7 +204,7 @@ def parse_arm(text: "str | Arm") -> Arm:
     options = {}
     for item in items:
         key, eq, value = item.partition("=")
-        key = key.strip()
+        key = ALIASES.get(key.strip(), key.strip())
         if key in _policy_keys():
             raise ValueError(f"--arm {text!r}: policy item {item!r} after the arm options; put the options "
                              f"(correction=, replay=, KEY=VALUE) last")
@@ -221,7 +223,7 @@ def parse_arm(text: "str | Arm") -> Arm:
 def _is_option(item: str) -> bool:
     """Whether a `,`-separated item is an arm option (`KEY=VALUE` with an arm key that is no policy key)."""
     key, eq, _ = item.partition("=")
-    key = key.strip()
+    key = ALIASES.get(key.strip(), key.strip())
     return bool(eq) and key not in _policy_keys() and (key in OPTIONS or key in option_keys() or key in FIXED)
 
 

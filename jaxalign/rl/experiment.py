@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 from jaxalign import report
+from jaxalign.metrics.staleness import split_summary
 from jaxalign.model.config import ModelConfig
 from jaxalign.rl import rundir, tokenizer
 from jaxalign.rl.arms import Arm, parse_arms
@@ -53,7 +54,7 @@ class ExperimentConfig:
     problem_count: tuple[int, int] = (2, 2)
     max_number: int = 9  # problems' numbers lie in 1..max_number
     max_target: int = 99
-    held_out: float = 0.0  # > 0: that fraction of the problem space is the held-out split (CountdownTask)
+    held_out: float = 0.2  # that fraction of the problem space is the held-out split (CountdownTask); 0 = none
     sft: SFTConfig = SFTConfig()  # its problem space (count, numbers, targets, held-out split) is the experiment's
     trainer_mesh: str = ""  # e.g. "data=2,expert=2,tensor=2"; "" = one device
     engine_mesh: str = ""
@@ -185,7 +186,8 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, *, progress: bool = True
 def seed_summary(rows: list[dict]) -> dict:
     """One run's figures: warm-start / final / peak held-out reward and the rise (final - warm start), the
     sampled training reward over the first and last fifth of the steps, mean KL / k3, largest |dlogp|, rejected
-    fraction, route flip rate, mean gradient norm and the number of steps with a nonzero trainer-engine KL."""
+    fraction, route flip rate, mean gradient norm, the number of steps with a nonzero trainer-engine KL, and the
+    staleness/numerics split's per-part mean and largest k3 and mean share (`metrics.staleness.split_summary`)."""
     evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
     steps = [r for r in rows if r["step"] > 0 and "rollout_corr/kl" in r]
     fifth = max(1, len(steps) // 5)
@@ -201,6 +203,7 @@ def seed_summary(rows: list[dict]) -> dict:
         "route_flip_rate": float(np.mean([r["route_flip_rate"] for r in steps])),
         "mean_grad_norm": float(np.mean([r["grad_norm"] for r in steps])),
         "steps_with_nonzero_kl": int(sum(r["rollout_corr/k3_kl"] != 0 or r["rollout_corr/kl"] != 0 for r in steps)),
+        **split_summary(steps),  # the staleness/numerics split (metrics.staleness): rows written before it lack it
     }
 
 
@@ -222,7 +225,8 @@ def summarize(runs: dict, exp: ExperimentConfig) -> dict:
 
 SUMMARY_COLUMNS = ["arm", "warm_start_reward", "final_reward", "final_reward_std", "peak_reward", "rise", "rise_std",
                    "train_reward_start", "train_reward_end", "mean_kl", "mean_k3", "max_abs_logp_diff",
-                   "rejected_fraction", "route_flip_rate", "steps_with_nonzero_kl"]
+                   "rejected_fraction", "route_flip_rate", "steps_with_nonzero_kl", "numerics/mean_k3",
+                   "staleness/mean_k3"]
 
 
 def eval_set(summary: dict) -> str:

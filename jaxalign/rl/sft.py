@@ -102,12 +102,17 @@ def random_expression(numbers, rng: np.random.Generator) -> str:
     return parts[0][1:-1] if parts[0].startswith("(") else parts[0]
 
 
+def sft_problems(cfg: SFTConfig) -> list[countdown.Problem]:
+    """The problems the warm start trains on (none from the task's held-out split)."""
+    return countdown.generate_problems(cfg.problems, seed=cfg.seed, count=cfg.problem_count, high=cfg.max_number,
+                                       max_target=cfg.max_target, held_out=cfg.held_out)
+
+
 def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
     """Token sequences [N, W] (prompt + answer + </answer> + eos; the answer as `cfg.answers` says: see ANSWERS)
     and the mask of target positions [N, W-1]."""
     width = PROMPT_WIDTH + cfg.max_new_tokens
-    problems = countdown.generate_problems(cfg.problems, seed=cfg.seed, count=cfg.problem_count,
-                                           high=cfg.max_number, max_target=cfg.max_target, held_out=cfg.held_out)
+    problems = sft_problems(cfg)
     rng = np.random.default_rng(cfg.seed)
     mode, solution_share, habit_op = parse_answers(cfg.answers)
     tokens = np.zeros((len(problems), width), np.int32)

@@ -244,7 +244,13 @@ def load_runs(out_dir: str) -> tuple[dict, dict, dict]:
         settings = json.load(f)["settings"]["study"]
     with open(os.path.join(out_dir, "calibration.json")) as f:
         calibration = json.load(f)
-    steps, runs = settings["experiment"]["steps"], {}
+    return settings, calibration, finished_runs(out_dir, settings["experiment"]["steps"])
+
+
+def finished_runs(out_dir: str, steps: int) -> dict:
+    """{(arm, seed): metrics rows} of every run in an experiment directory (`ARM/seedN/`) that reached `steps`,
+    read from its files alone (`rundir.finished_rows`)."""
+    runs = {}
     for arm in sorted(os.listdir(out_dir)):
         arm_dir = os.path.join(out_dir, arm)
         if not os.path.isdir(arm_dir) or arm == "cache":
@@ -253,7 +259,7 @@ def load_runs(out_dir: str) -> tuple[dict, dict, dict]:
             rows = rundir.finished_rows(os.path.join(arm_dir, seed_dir), steps)
             if rows is not None:
                 runs[(arm, int(seed_dir.removeprefix("seed")))] = rows
-    return settings, calibration, runs
+    return runs
 
 
 def collapse_step(rows: list[dict], window: int = COLLAPSE_WINDOW, fraction: float = COLLAPSE_FRACTION):

@@ -355,10 +355,39 @@ class Trainer:
                 future.exception()
         self._pending = {}
 
-    def _generate_with(self, step: int, params):
-        """(worker thread) Batch `step` from the rollout engine holding `params`."""
-        self.rollout_engine.sync_weights(nnx.merge(self.graphdef, jax.tree.map(lambda x: x, params)))
-        return self.generate(step, self.rollout_engine)
+    def _generate_with(self, step: int, params, version: int):
+        """(worker thread) Batch `step` from the rollout engine holding `params` (weight version `version`), and,
+        when those are not the weights the batch will be trained at, the trainer's pass over it at `params`
+        (`_behaviour_pass`): the worker, not the trainer's thread, pays for the older weights."""
+        model = nnx.merge(self.graphdef, jax.tree.map(lambda x: x, params))
+        self.rollout_engine.sync_weights(model)
+        rollout = self.generate(step, self.rollout_engine)
+        return rollout, (self._behaviour_pass(model, rollout) if version != step else None)
+
+    def _trainer_inputs(self, rollout):
+        """What the trainer's passes over `rollout` read: (tokens, engine routes, the experts replayed to the
+        trainer or None, the replay keywords of `token_logprobs`)."""
+        cfg = self.config
+        tokens = pad_to(rollout.tokens, self.width, 1, tokenizer.PAD)
+        engine_routes = pad_to(np.asarray(rollout.routing.indices), self.width, 1, -1)
+        expert_replay, with_index = replay_parts(cfg.replay)
+        replay_kw = {"replay_weights": None, "index_replay": None}
+        if expert_replay == "r3w":
+            replay_kw["replay_weights"] = pad_to(np.asarray(rollout.routing.weights), self.width, 1, 0.0)
+        if with_index:
+            if rollout.routing.index_positions is None:
+                raise ValueError(f"replay = {cfg.replay!r} replays DSA index selections; this model has none")
+            replay_kw["index_replay"] = pad_to(np.asarray(rollout.routing.index_positions), self.width, 1, -1)
+        engine_experts = engine_routes if expert_replay in ("r3", "r3w") else None
+        return tokens, engine_routes, engine_experts, replay_kw
+
+    def _behaviour_pass(self, model, rollout):
+        """The trainer's per-token logprobs and routes of `rollout` under `model` (the weights that generated it):
+        the numerics/staleness split's middle term."""
+        tokens, _, engine_experts, replay_kw = self._trainer_inputs(rollout)
+        lp, record = token_logprobs(model, tokens, self.trainer_policy, temperature=self.config.temperature,
+                                    replay=engine_experts, mesh=self.mesh, **replay_kw)
+        return to_host(lp), to_host(record.indices)
 
     def _schedule(self) -> None:
         """Queue every batch up to `step + k` whose weight version exists (all of them: version
@@ -366,8 +395,8 @@ class Trainer:
         k = self.config.max_lag
         for s in range(self.step, min(self.step + k, self.config.steps - 1) + 1):
             if s not in self._pending:
-                weights = self.behaviour[behaviour_version(s, k)]
-                self._pending[s] = self._worker.submit(self._generate_with, s, weights)
+                version = behaviour_version(s, k)
+                self._pending[s] = self._worker.submit(self._generate_with, s, self.behaviour[version], version)
 
     # --- the update -----------------------------------------------------------------------------------------
     def _compile_update(self):
@@ -399,7 +428,7 @@ class Trainer:
             [self.task.prompt(p) for p in items], max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
             eos_id=tokenizer.EOS, seed=cfg.seed * 1_000_003 + step, batch_size=cfg.engine_batch)
 
-    def collect(self, rollout=None, version: int | None = None) -> tuple[TrainBatch, dict]:
+    def collect(self, rollout=None, version: int | None = None, behaviour=None) -> tuple[TrainBatch, dict]:
         """Engine -> reward -> old-policy pass -> rollout correction for the current step: the update's batch
         and the step's rollout metrics.
 
@@ -408,7 +437,9 @@ class Trainer:
         weights (AReaL's proximal policy); the correction's ratio is that against the engine (the behaviour
         policy), and its log splits per token into numerics (engine vs trainer, both at the behaviour weights)
         plus staleness (trainer at the current vs the behaviour weights), reported as `numerics/...` and
-        `staleness/...` (`metrics.staleness`). `self.last_logprobs` keeps the three per-token logprobs."""
+        `staleness/...` (`metrics.staleness`). `behaviour`: the trainer's pass at the behaviour weights when
+        the worker made it (`_behaviour_pass`), else it runs here. `self.last_logprobs` keeps the three per-token
+        logprobs."""
         cfg = self.config
         items = self._items(self.step)
         if rollout is None:
@@ -416,19 +447,10 @@ class Trainer:
         version = self.step if version is None else version
         rewards = rewards_of(rollout, items, self.task)
         advantages = advantages_of(rewards, cfg.grpo)
-        tokens = pad_to(rollout.tokens, self.width, 1, tokenizer.PAD)
         logp_rollout = pad_to(rollout.logprobs, self.width - 1, 1, 0.0)
         mask = pad_to(rollout.mask, self.width - 1, 1, False)
-        engine_routes = pad_to(np.asarray(rollout.routing.indices), self.width, 1, -1)
-        expert_replay, with_index = replay_parts(cfg.replay)
-        replay_kw = {"replay_weights": None, "index_replay": None}
-        if expert_replay == "r3w":
-            replay_kw["replay_weights"] = pad_to(np.asarray(rollout.routing.weights), self.width, 1, 0.0)
-        if with_index:
-            if rollout.routing.index_positions is None:
-                raise ValueError(f"replay = {cfg.replay!r} replays DSA index selections; this model has none")
-            replay_kw["index_replay"] = pad_to(np.asarray(rollout.routing.index_positions), self.width, 1, -1)
-        engine_experts = engine_routes if expert_replay in ("r3", "r3w") else None
+        tokens, engine_routes, engine_experts, replay_kw = self._trainer_inputs(rollout)
+        expert_replay, _ = replay_parts(cfg.replay)
         lp_old, old_record = token_logprobs(self.model, tokens, self.trainer_policy, temperature=cfg.temperature,
                                             replay=engine_experts, mesh=self.mesh, **replay_kw)
         lp_old, old_indices = to_host(lp_old), to_host(old_record.indices)
@@ -445,11 +467,8 @@ class Trainer:
         if version == self.step:  # the behaviour weights are the current ones: the same pass
             lp_behaviour, behaviour_indices = lp_old, old_indices
         else:
-            stale = nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.behaviour[version]))
-            lp_behaviour, behaviour_record = token_logprobs(stale, tokens, self.trainer_policy,
-                                                            temperature=cfg.temperature, replay=engine_experts,
-                                                            mesh=self.mesh, **replay_kw)
-            lp_behaviour, behaviour_indices = to_host(lp_behaviour), to_host(behaviour_record.indices)
+            lp_behaviour, behaviour_indices = behaviour or self._behaviour_pass(
+                nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.behaviour[version])), rollout)
         self.last_logprobs = {"current": lp_old, "behaviour": lp_behaviour, "engine": logp_rollout, "mask": mask}
         forwarded = (engine_routes >= 0).all(-1).all(-1)
         flips = routing_metrics(engine_routes, old_indices, valid=forwarded)
@@ -477,8 +496,8 @@ class Trainer:
         k = self.config.max_lag
         if k:
             self._schedule()
-            batch, rollout_metrics = self.collect(self._pending.pop(self.step).result(),
-                                                  behaviour_version(self.step, k))
+            rollout, behaviour = self._pending.pop(self.step).result()
+            batch, rollout_metrics = self.collect(rollout, behaviour_version(self.step, k), behaviour)
         else:
             batch, rollout_metrics = self.collect()
         params, opt_state = self.params, self.opt_state
