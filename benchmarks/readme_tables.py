@@ -1,8 +1,10 @@
-"""The README's three results tables, generated from committed data so that the README cannot drift from it:
+"""The README's results tables, generated from committed data so that the README cannot drift from it:
 
 - `gap`: the trainer-engine gap without training (benchmarks/results/gap_table.json, `python benchmarks/gap_table.py`);
 - `demo`: `jaxalign demo`'s summary (benchmarks/results/demo.json, recorded from a demo run with `--demo DIR`);
-- `study`: the seed-regime study (docs/study/study.json, `jaxalign experiment study --out docs/study --report`).
+- `study`: the seed-regime study (docs/study/study.json, `jaxalign experiment study --out docs/study --report`);
+- `staleness`: the lag x engine grid (docs/staleness/staleness.json,
+  `jaxalign experiment staleness --out docs/staleness --report`).
 
     python benchmarks/readme_tables.py                  # rewrite the tables in README.md
     python benchmarks/readme_tables.py --check          # exit 1 when README.md's tables differ from the data
@@ -27,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 README = os.path.join(ROOT, "README.md")
 SOURCES = {"gap": "benchmarks/results/gap_table.json", "demo": "benchmarks/results/demo.json",
-           "study": "docs/study/study.json"}
+           "study": "docs/study/study.json", "staleness": "docs/staleness/staleness.json"}
 MARKER = re.compile(r"<!-- table:(\w+) -->\n.*?<!-- /table:\1 -->", re.S)
 
 
@@ -118,7 +120,23 @@ def _signed(value) -> str:
     return "-" if value is None else f"{value:+.3f}"
 
 
-RENDERERS = {"gap": gap_table, "demo": demo_table, "study": study_table}
+def staleness_table(record: dict) -> str:
+    """One row per arm of the lag x engine grid: final held-out reward against the synchronous aligned arm, and
+    the mean numerics and staleness k3 of its batches."""
+    header = ["engine", "lag", "seeds", "held-out reward: start -> final", "vs sync aligned", "p",
+              "numerics k3", "staleness k3"]
+    rows = [[r["engine"], str(r["lag"]), str(r["seeds"]),
+             f"{_reward(r['warm_start_reward'])} -> {_reward(r['final_reward'])} ± {_reward(r['final_reward_std'])}",
+             _signed(r.get("final_vs_baseline")), _fmt(r.get("final_p")), _fmt(r["numerics_k3"]),
+             _fmt(r["staleness_k3"])] for r in record["rows"]]
+    exp = record["settings"]["experiment"]
+    note = (f"_Trainer `{record['settings']['trainer']}` in every arm, decoupled objective with "
+            f"`{record['settings']['correction']}`; {exp['steps']} steps; means over the finished seeds of "
+            f"{len(exp['seeds'])} planned ({record['runs_finished']} runs); from `{SOURCES['staleness']}`._")
+    return _markdown(header, rows) + "\n\n" + note
+
+
+RENDERERS = {"gap": gap_table, "demo": demo_table, "study": study_table, "staleness": staleness_table}
 
 
 def load(name: str, root: str = ROOT) -> dict:
