@@ -304,6 +304,24 @@ def test_lag_two_aligned_has_exactly_zero_numerics_and_positive_staleness(lag2_a
             assert r["rollout_corr/kl"] == pytest.approx(r["staleness/kl"], rel=1e-9, abs=0)
 
 
+def test_the_split_is_only_a_measurement_and_split_every_thins_it(base, tmp_path, lag2_aligned):
+    """A lag-2 run measuring the split on every 3rd batch (`split_every=3`, which skips the extra trainer pass at
+    the older weights on the others) trains exactly as the run measuring it on every batch: the same rows, bit
+    for bit, less the numerics/staleness keys of the batches it did not measure."""
+    _, every = lag2_aligned
+    thinned = Trainer(_model(base), rl_config(**LAG2_SETTINGS, split_every=3), str(tmp_path / "thin")).run(
+        progress=False)
+    is_split = lambda key: key.startswith(("numerics/", "staleness/"))  # noqa: E731
+    for full, thin in zip(every, thinned):
+        t = full["step"] - 1
+        measured = full["step"] == 0 or t % 3 == 0 or full["lag"] == 0
+        assert {k: v for k, v in thin.items() if not is_split(k)} == {k: v for k, v in full.items()
+                                                                       if not is_split(k)}
+        assert thin == full if measured else not any(is_split(k) for k in thin)
+    with pytest.raises(ValueError, match="split_every"):
+        RLConfig(split_every=-1)
+
+
 def test_sigkilled_lag_two_run_reruns_to_the_uninterrupted_rows(base, tmp_path, lag2_aligned):
     """Killed right after its step-2 checkpoint, with batches 2-4 in flight or queued on the worker: the
     checkpoint holds the weight versions those batches are generated with (0 and 1 besides the current 2), and

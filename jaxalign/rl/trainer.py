@@ -85,6 +85,9 @@ class RLConfig:
     trainer_mesh: str = ""  # a mesh spec (`jaxalign.make_mesh`), e.g. "data=2,expert=2,tensor=2"; "" = one device
     engine_mesh: str = ""  # with several processes: a mesh over each process's own devices
     max_lag: int = 0  # k: batch t is generated with the weights of version max(0, t - k) (0 = synchronous)
+    # measure the numerics/staleness split on every N-th batch (0: never). At lag > 0 it costs one more trainer
+    # pass, at the older weights (on the rollout worker); at lag 0 it is free and always measured.
+    split_every: int = 1
 
     def __post_init__(self):
         for side in ("trainer_policy", "engine_policy"):
@@ -103,6 +106,9 @@ class RLConfig:
                      "eval_problems", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} = {getattr(self, name)}; allowed: >= 1")
+        if not isinstance(self.split_every, int) or isinstance(self.split_every, bool) or self.split_every < 0:
+            raise ValueError(f"RLConfig.split_every = {self.split_every!r}; allowed: an int >= 0 (0 = never at "
+                             f"lag > 0)")
         if not isinstance(self.max_lag, int) or isinstance(self.max_lag, bool) or self.max_lag < 0:
             raise ValueError(f"RLConfig.max_lag = {self.max_lag!r}; allowed: an int >= 0 (0 = synchronous rollouts)")
 
@@ -124,6 +130,8 @@ class RLConfig:
             out[field.name] = value
         if not self.max_lag:  # synchronous runs record what they recorded before the field existed (they resume)
             del out["max_lag"]
+        if self.split_every == 1:  # likewise runs that measure the split on every batch
+            del out["split_every"]
         if out["grpo"]["clip_ratio_c"] is None:  # likewise runs without dual-clip
             del out["grpo"]["clip_ratio_c"]
         return json.loads(json.dumps(out))
@@ -362,7 +370,12 @@ class Trainer:
         model = nnx.merge(self.graphdef, jax.tree.map(lambda x: x, params))
         self.rollout_engine.sync_weights(model)
         rollout = self.generate(step, self.rollout_engine)
-        return rollout, (self._behaviour_pass(model, rollout) if version != step else None)
+        return rollout, (self._behaviour_pass(model, rollout) if version != step and self.splits(step) else None)
+
+    def splits(self, step: int) -> bool:
+        """Whether batch `step` measures the numerics/staleness split (`RLConfig.split_every`)."""
+        every = self.config.split_every
+        return every > 0 and step % every == 0
 
     def _trainer_inputs(self, rollout):
         """What the trainer's passes over `rollout` read: (tokens, engine routes, the experts replayed to the
@@ -466,14 +479,22 @@ class Trainer:
                                               **replay_kw)[0])
         if version == self.step:  # the behaviour weights are the current ones: the same pass
             lp_behaviour, behaviour_indices = lp_old, old_indices
-        else:
+        elif self.splits(self.step):
             lp_behaviour, behaviour_indices = behaviour or self._behaviour_pass(
                 nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.behaviour[version])), rollout)
+        else:  # not measured on this batch (split_every)
+            lp_behaviour, behaviour_indices = None, None
         self.last_logprobs = {"current": lp_old, "behaviour": lp_behaviour, "engine": logp_rollout, "mask": mask}
         forwarded = (engine_routes >= 0).all(-1).all(-1)
         flips = routing_metrics(engine_routes, old_indices, valid=forwarded)
-        numerics_flips = routing_metrics(engine_routes, behaviour_indices, valid=forwarded)
-        stale_flips = routing_metrics(behaviour_indices, old_indices, valid=forwarded)
+        split = {}
+        if lp_behaviour is not None:
+            numerics_flips = routing_metrics(engine_routes, behaviour_indices, valid=forwarded)
+            stale_flips = routing_metrics(behaviour_indices, old_indices, valid=forwarded)
+            split = {**split_metrics(lp_old, lp_behaviour, logp_rollout, mask),
+                     "numerics/route_flip_rate": numerics_flips["route_flip_rate"],
+                     "numerics/route_token_any_flip": numerics_flips["route_token_any_flip"],
+                     "staleness/route_flip_rate": stale_flips["route_flip_rate"]}
         batch = TrainBatch(tokens=tokens, logp_old=np.asarray(logp_behaviour, np.float32),
                            advantages=np.asarray(advantages), weights=np.asarray(weights), mask=np.asarray(accept),
                            replay=replay, logp_ref=logp_ref, **replay_kw)
@@ -481,11 +502,7 @@ class Trainer:
                    "response_length": float(rollout.completion_lens.mean()), **corr_metrics,
                    "route_flip_rate": flips["route_flip_rate"],
                    "route_token_any_flip": flips["route_token_any_flip"],
-                   "behaviour_version": version, "lag": self.step - version,
-                   **split_metrics(lp_old, lp_behaviour, logp_rollout, mask),
-                   "numerics/route_flip_rate": numerics_flips["route_flip_rate"],
-                   "numerics/route_token_any_flip": numerics_flips["route_token_any_flip"],
-                   "staleness/route_flip_rate": stale_flips["route_flip_rate"]}
+                   "behaviour_version": version, "lag": self.step - version, **split}
         return batch, metrics
 
     def train_step(self) -> dict:
