@@ -60,8 +60,8 @@ def test_correction_none_ignores_the_engine_logprobs():
     (["x=aligned-bf16;replay=r3/serve-bf16"], "after the engine policy"),
     (["x=aligned-bf16/serve-bf16;replay=r3,kernel=xla"], "after the arm options"),
     (["a/b=aligned-bf16/serve-bf16"], "arm name 'a/b'"),
-    (["aligned", "aligned=fp16/fp16"], "same directory"),
-    (["Mine=fp16/fp16", "mine=fp32/fp32"], "same directory"),
+    (["aligned", "aligned=fp32/fp16"], "same directory"),
+    (["Mine=fp32/fp16", "mine=fp32/fp32"], "same directory"),
 ])
 def test_bad_arms_are_clear_errors(texts, needle):
     with pytest.raises(ValueError, match=needle):
@@ -105,7 +105,7 @@ def test_a_changed_setting_on_an_experiment_directory_is_refused(tmp_path):
         record["code"] = "build-a"
         json.dump(record, open(os.path.join(out, "run.json"), "w"))
         run_experiment(first, out, progress=False)
-    assert sorted(os.listdir(out)) == ["run.json"]  # refused before any work
+    assert sorted(os.listdir(out)) == [".lock", "run.json"]  # refused before any work (the lock is taken first)
 
 
 def test_results_without_a_record_are_refused(tmp_path):

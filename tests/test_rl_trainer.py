@@ -156,7 +156,7 @@ def test_bad_rl_settings():
     # fields; an f16 engine is a real engine set-up and stays allowed
     with pytest.raises(ValueError, match=r"f16 in compute_dtype, matmul_acc: float16 training needs dynamic loss"):
         RLConfig(trainer_policy="aligned-bf16,compute=f16,matmul=f16")
-    assert RLConfig(engine_policy="serve-bf16,compute=f16").engine_policy.f16_fields == ("compute_dtype",)
+    assert RLConfig(engine_policy="serve-bf16,compute=f16").engine_policy.compute_dtype == "f16"
 
 
 def test_kl_to_reference_is_logged_and_grows_from_zero(base, tmp_path):

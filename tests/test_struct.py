@@ -65,9 +65,9 @@ def test_rl_configs_and_arms_hold_policies_and_write_text():
     assert parse_arm("aligned").spec() == "aligned"  # a built-in arm writes its name
     assert Arm("aligned", "train-bf16", "serve-bf16").spec() == "aligned=train-bf16/serve-bf16"  # not the built-in
 
-    exp = ExperimentConfig(arms=("aligned", "x=fp16/fp16,dispatch=sorted;correction=none"))
+    exp = ExperimentConfig(arms=("aligned", "x=fp32/fp16,dispatch=sorted;correction=none"))
     assert all(isinstance(a, Arm) for a in exp.arms) and exp.parsed_arms() == exp.arms
-    assert exp.to_dict()["arms"] == ["aligned", "x=fp16/fp16,dispatch=sorted;correction=none"]
+    assert exp.to_dict()["arms"] == ["aligned", "x=fp32/fp16,dispatch=sorted;correction=none"]
     assert dataclasses.replace(exp, steps=3).arms == exp.arms
     assert experiment_record(exp)["settings"]["experiment"] == exp.to_dict()
 

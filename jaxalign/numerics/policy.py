@@ -254,11 +254,6 @@ class NumericPolicy:
         return any(isinstance(v, DType) and v.is_low_precision for v in (getattr(self, n) for n in FIELDS))
 
     @property
-    def f16_fields(self) -> tuple[str, ...]:
-        """The fields that ask for float16 (a dtype or the matmul accumulator)."""
-        return tuple(n for n in FIELDS if getattr(self, n) == DType.f16)
-
-    @property
     def quantizes_products(self) -> bool:
         """Some FP8 product field is set (`weight_quant` or `act_quant`): linear and expert products run
         block-scaled (numerics/fp8.py)."""

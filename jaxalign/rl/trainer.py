@@ -46,6 +46,7 @@ from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.collectives import replicate
 from jaxalign.numerics.optimizer import adamw
+from jaxalign.numerics.precision import float16_fields
 from jaxalign.numerics.reduce import global_norm
 from jaxalign.rl import options, rundir, tokenizer
 from jaxalign.replay_modes import REPLAY_MODES, check_replay, replay_parts
@@ -92,9 +93,9 @@ class RLConfig:
     def __post_init__(self):
         for side in ("trainer_policy", "engine_policy"):
             object.__setattr__(self, side, NumericPolicy.coerce(getattr(self, side), label=side))
-        if self.trainer_policy.f16_fields:
+        if float16_fields(self.trainer_policy):
             raise ValueError(
-                f"trainer_policy asks for f16 in {', '.join(self.trainer_policy.f16_fields)}: float16 training "
+                f"trainer_policy asks for f16 in {', '.join(float16_fields(self.trainer_policy))}: float16 training "
                 f"needs dynamic loss scaling (gradients below 6e-8 flush to zero, above 65504 overflow), which "
                 f"jaxalign does not implement; allowed trainer dtypes: f32, bf16 (an f16 engine_policy is allowed)")
         parse_mesh_spec(self.trainer_mesh)
@@ -132,8 +133,6 @@ class RLConfig:
             del out["max_lag"]
         if self.split_every == 1:  # likewise runs that measure the split on every batch
             del out["split_every"]
-        if out["grpo"]["clip_ratio_c"] is None:  # likewise runs without dual-clip
-            del out["grpo"]["clip_ratio_c"]
         return json.loads(json.dumps(out))
 
 
