@@ -18,7 +18,7 @@ from jaxalign.rl.sft import SFTConfig
 
 DEMO = ExperimentConfig(seeds=(0,))  # the experiment's defaults, one seed
 QUICK = ExperimentConfig(seeds=(0,), steps=3, eval_every=3, eval_problems=16,
-                         sft=SFTConfig(problems=400, steps=40))
+                         sft=SFTConfig(problems=400, steps=40, max_new_tokens=16))
 
 
 def run_demo(out_dir: str = "runs/demo", json_out: bool = False, quick: bool = False) -> int:

@@ -66,7 +66,8 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """`jaxalign experiment countdown`: every default is ExperimentConfig's (or SFTConfig's) field default."""
+    """`jaxalign experiment countdown`: every default is ExperimentConfig's field default (the warm start's:
+    its `sft` field's)."""
     exp = lambda name: field_default(ExperimentConfig, name)  # noqa: E731
     p = sub.add_parser("experiment", help="RL experiments")
     esub = p.add_subparsers(dest="experiment", required=True)
@@ -103,11 +104,11 @@ def add_parser(sub) -> None:
                    help="fraction of the problem space held out for evaluation (a hashed split training never "
                         "draws from; evaluation is the split's first --eval-problems); 0: evaluation problems come "
                         "from other seeds and may repeat training problems")
-    e.add_argument("--sft-steps", type=int, default=field_default(SFTConfig, "steps"),
+    e.add_argument("--sft-steps", type=int, default=getattr(exp("sft"), "steps"),
                    help="supervised warm-start steps before RL")
-    e.add_argument("--sft-problems", type=positive_int, default=field_default(SFTConfig, "problems"),
+    e.add_argument("--sft-problems", type=positive_int, default=getattr(exp("sft"), "problems"),
                    help="problems the warm start trains on")
-    e.add_argument("--sft-answers", type=checked_text(parse_sft_answers), default=field_default(SFTConfig, "answers"),
+    e.add_argument("--sft-answers", type=checked_text(parse_sft_answers), default=getattr(exp("sft"), "answers"),
                    help=f"warm-start answers, one of {', '.join(SFT_ANSWERS)}: brute-force solutions; random "
                         "well-formed expressions (RL must then learn correctness); or the solution with "
                         "probability P, else the habit a OP b OP ... (OP + unless given; greedy answers the habit, samples "

@@ -44,18 +44,20 @@ class ExperimentConfig:
     model: str = "countdown"
     prompts_per_step: int = 16
     group_size: int = 8
-    max_new_tokens: int = 14
-    learning_rate: float = 1e-3
+    max_new_tokens: int = 16
+    learning_rate: float = 2e-3
     ppo_epochs: int = 1
     is_threshold: str = "2.0"
     rs: tuple[str, ...] = DEFAULT_RS
     eval_every: int = 10
-    eval_problems: int = 128
+    eval_problems: int = 512  # or the whole held-out split, when smaller (125 problems by default)
     problem_count: tuple[int, int] = (2, 2)
-    max_number: int = 9  # problems' numbers lie in 1..max_number
+    max_number: int = 20  # problems' numbers lie in 1..max_number
     max_target: int = 99
     held_out: float = 0.2  # that fraction of the problem space is the held-out split (CountdownTask); 0 = none
-    sft: SFTConfig = SFTConfig()  # its problem space (count, numbers, targets, held-out split) is the experiment's
+    # the warm start prefers a wrong habit (the numbers joined by '/'), so greedy held-out reward starts low and RL
+    # has room to raise it; its problem space (count, numbers, targets, held-out split) is the experiment's
+    sft: SFTConfig = SFTConfig(steps=900, problems=12000, answers="habit:0.3:/", max_new_tokens=16)
     trainer_mesh: str = ""  # e.g. "data=2,expert=2,tensor=2"; "" = one device
     engine_mesh: str = ""
 

@@ -41,7 +41,6 @@ from jaxalign import report
 from jaxalign.numerics import NumericPolicy
 from jaxalign.rl import rundir
 from jaxalign.rl.experiment import ExperimentConfig, run_arms, seed_summary
-from jaxalign.rl.sft import SFTConfig
 from jaxalign.rl.stats import detectable_difference, fisher_exact, permutation_p
 
 COLLAPSE_WINDOW = 10
@@ -70,13 +69,10 @@ CANDIDATES = (
 
 
 def default_experiment() -> ExperimentConfig:
-    """The study's RL settings: two-number Countdown over 1..20 with a 20% held-out split, a warm start that
-    prefers a wrong habit (`habit:0.3:/`) so greedy reward has room to rise, 100 steps, six seeds."""
-    return ExperimentConfig(
-        arms=("aligned",), seeds=(0, 1, 2, 3, 4, 5), steps=100, prompts_per_step=16, group_size=8,
-        max_new_tokens=16, learning_rate=2e-3, eval_every=10, eval_problems=512, problem_count=(2, 2),
-        max_number=20, held_out=0.2,
-        sft=SFTConfig(steps=900, problems=12000, answers="habit:0.3:/", max_new_tokens=16))
+    """The study's RL settings: the experiment's defaults (two-number Countdown over 1..20 with a 20% held-out
+    split, a warm start that prefers a wrong habit, `habit:0.3:/`, so greedy reward has room to rise) with 100
+    steps and six seeds."""
+    return ExperimentConfig(arms=("aligned",), seeds=(0, 1, 2, 3, 4, 5), steps=100)
 
 
 @dataclasses.dataclass(frozen=True)
