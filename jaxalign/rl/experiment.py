@@ -131,8 +131,9 @@ def run_arms(exp: ExperimentConfig, out_dir: str, *, progress: bool = True, what
     """Run (or resume) every arm and seed; {(arm name, seed): metrics rows}. A directory holding another
     configuration's experiment is refused before anything runs (`claim`; False when the caller claimed it).
     `jobs` > 1 runs that many at once, each in its own process (results are identical: each run is deterministic
-    and owns its directory). `order`: "arms" (arm by arm) or "priority" (the first two arms at every seed, then
-    seed by seed), the order in which a long study is most useful when stopped part way."""
+    and owns its directory). `order`: "arms" (arm by arm), "priority" (the first two arms at every seed, then
+    seed by seed) or "seeds" (every arm at a seed, seed by seed): the order in which a long study is most useful
+    when stopped part way."""
     if jobs < 1:
         raise ValueError(f"jobs = {jobs}; allowed: >= 1")
     held = rundir.hold(out_dir, what=what)  # a second command on this directory is refused, naming this one
@@ -151,6 +152,8 @@ def _run_arms(exp, out_dir, *, progress, what, jobs, claim, order) -> dict:
     arms = exp.parsed_arms()
     if order == "priority":
         todo = ([(a, s) for s in exp.seeds for a in arms[:2]] + [(a, s) for s in exp.seeds for a in arms[2:]])
+    elif order == "seeds":
+        todo = [(arm, seed) for seed in exp.seeds for arm in arms]
     else:
         todo = [(arm, seed) for arm in arms for seed in exp.seeds]
     runs = {}
