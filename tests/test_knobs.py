@@ -40,6 +40,7 @@ KNOBS = [
     ("mla", "aligned-bf16", "absorbed"),
     ("index_scores_dtype", "fp32", "bf16"),  # on a DSA model (tiny-glm5): bf16 index scores flip selections
     ("index_scores_dtype", "aligned-bf16", "bf16"),
+    ("index_ties", "fp32", "torch-cpu"),  # tiny-glm5: relu ties index scores at its top-6 boundary in some rows
     # FP8 (numerics/fp8.py): each field alone, on the trainer's base and from the FP8 presets
     ("weight_quant", "train-bf16", "e4m3:16x16"),
     ("weight_quant", "aligned-fp8", "e4m3:32x32"),  # block granularity
@@ -56,7 +57,8 @@ KNOBS = [
     ("delta_state_dtype", "serve-bf16", "bf16"),  # recurrent: the state is rounded after every token
     ("conv_state_dtype", "fp32", "bf16"),
 ]
-KNOB_MODELS = {"mla": "tiny-deepseek-v3", "index_scores_dtype": "tiny-glm5", "delta_rule": "tiny-qwen3.5",
+KNOB_MODELS = {"mla": "tiny-deepseek-v3", "index_scores_dtype": "tiny-glm5", "index_ties": "tiny-glm5",
+               "delta_rule": "tiny-qwen3.5",
                "delta_state_dtype": "tiny-qwen3.5", "conv_state_dtype": "tiny-qwen3.5"}
 
 

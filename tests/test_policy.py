@@ -48,6 +48,7 @@ def test_presets_are_distinct():
     ("attn=chunked:-4", "chunked:C"),
     ("dispatch=capacity:0", "capacity:F"),
     ("combine=random", "slot|expert|dense"),
+    ("index_ties=higher-slot", "lower-slot|torch-cpu"),
     ("reduce=pairwise", "xla|tree"),
     ("warp=9", "allowed keys"),
     ("nonsense-preset", "allowed: fp32"),

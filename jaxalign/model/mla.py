@@ -13,7 +13,7 @@ from jaxalign.model.layers import Linear, RMSNorm
 from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, cast, fp8
 from jaxalign.numerics.attention import rope
-from jaxalign.numerics.indexer import index_scores, replayed_keys, select_keys
+from jaxalign.numerics.indexer import index_scores, replayed_keys, select_keys, torch_row_len
 from jaxalign.numerics.mla import mla_attention
 
 if TYPE_CHECKING:  # annotations only: config imports the layer kinds, which import this module
@@ -71,8 +71,10 @@ class MLAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, policy: NumericPolicy, kv: jax.Array | None = None, *,
                  valid=None, index_replay: jax.Array | None = None):
         """x [B, S, D], positions [B, S] (the mixer call of `model/kinds/base.py`); `kv` the latent cache
-        [B, 1, rows, M] (written at slot = position, then read whole; `valid` is not needed, as for GQA). Under DSA, `index_replay` [B, S, index_topk] recorded key positions replace the
-        indexer's choice (rows whose first entry is -1 keep their own).
+        [B, 1, rows, M] (written at slot = position, then read whole; `valid` is not needed, as for GQA, except
+        that under `index_ties=torch-cpu` it bounds the row torch.topk would see: `torch_row_len`). Under DSA,
+        `index_replay` [B, S, index_topk] recorded key positions replace the indexer's choice (rows whose first
+        entry is -1 keep their own).
         Returns (out [B, S, D], new cache or None, selection): selection is None without an indexer, else the
         indexer's own (positions [B, S, index_topk] (-1 = fewer visible keys), margins [B, S])."""
         cfg = self.cfg
@@ -104,7 +106,8 @@ class MLAttention(nnx.Module):
             index_keys = jnp.transpose(cache[:, 0, cfg.kv_lora_rank + r:], (0, 2, 1))  # [B, M, index_head_dim]
             index_q, weights = self.indexer.queries(x, q_latent, positions, policy)
             scores = index_scores(index_q, index_keys, weights, positions, k_pos, policy)
-            chosen, allowed, margins = select_keys(scores, k_pos, cfg.index_topk)
+            row_len = torch_row_len(positions, k_pos, valid) if policy.index_ties == "torch-cpu" else None
+            chosen, allowed, margins = select_keys(scores, k_pos, cfg.index_topk, policy.index_ties, row_len)
             if index_replay is not None:
                 allowed = replayed_keys(index_replay, k_pos, allowed)
             selection = (chosen, margins)

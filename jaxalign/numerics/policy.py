@@ -126,6 +126,12 @@ FIELDS: dict[str, _Field] = {
     "index_scores_dtype": _Field("index", "f32|bf16|f16", _DTYPE,
                                  "dtype of the DSA indexer's q.k scores, head weights and weighted sum, from which "
                                  "its top-k picks the keys each query attends to (DSA models only)"),
+    "index_ties": _Field("index_ties", "lower-slot|torch-cpu", _one_of("lower-slot", "torch-cpu"),
+                         "which keys the DSA indexer's top-k keeps when scores tie exactly at its k-th value (relu "
+                         "zeroes many scores): lower-slot = lax.top_k's order, the lower slot first (engine and "
+                         "trainer alike, whatever their number of slots); torch-cpu = the keys torch.topk keeps on "
+                         "the CPU (libstdc++'s introselect over the row of keys transformers holds after the call: "
+                         "no positional rule, and dependent on that row's length; numerics/torch_topk.py)"),
     "weight_quant": _Field("wq", "none|e4m3:RxC (R, C positive ints)", _either(_one_of("none"), _typed(Fp8Blocks)),
                            "FP8 weights: none, or every linear and expert weight [K, N] rounded (from its float32 "
                            "master) to float8_e4m3fn in [R, C] blocks with one scale each, re-quantised at every "
@@ -194,6 +200,7 @@ class NumericPolicy:
     cross_device: Literal["xla", "ordered"] = "xla"
     mla: Literal["expanded", "absorbed"] = "expanded"
     index_scores_dtype: DType = DType.f32
+    index_ties: Literal["lower-slot", "torch-cpu"] = "lower-slot"
     weight_quant: Literal["none"] | Fp8Blocks = "none"
     act_quant: Literal["none"] | Fp8Tiles = "none"
     quant_scale: Literal["f32", "e8m0"] = "f32"

@@ -163,7 +163,8 @@ class MLA(LayerKind):
             q, cache, *index = split_rows(x, attn_shapes + (index_shapes if indexed else ()))
             allowed = None
             if indexed:
-                allowed = select_keys(scores_of(*index, b), jnp.repeat(k_pos, b, 0), cfg.index_topk)[1]
+                allowed = select_keys(scores_of(*index, b), jnp.repeat(k_pos, b, 0), cfg.index_topk,
+                                      policy.index_ties)[1]
             return mla_attention(as_compute(q, policy), cast(cache, policy.kv_cache_dtype), w_kv_b,
                                  jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy, nope_dim=nope,
                                  v_dim=cfg.v_head_dim, allowed=allowed)
