@@ -9,7 +9,7 @@ from jax import lax
 from jaxalign.numerics import FIELDS, PRESETS, NumericPolicy
 from jaxalign.numerics.policy_values import Capacity, Chunked, DotAlgorithm, DType, Pallas, Tiled
 
-REQUIRED = ("fp32", "train-bf16", "serve-bf16", "aligned-bf16", "fp16", "hf-eager-bf16", "hf-grouped-bf16")
+REQUIRED = ("fp32", "train-bf16", "serve-bf16", "aligned-bf16", "fp16", "hf-eager-bf16", "hf-grouped-bf16", "hf-fp32")
 
 
 def test_required_presets_exist_and_round_trip():
@@ -119,6 +119,18 @@ def test_predicates_replace_string_checks():
     assert aligned.rounds_below_f32 and not PRESETS["fp32"].rounds_below_f32
     assert not PRESETS["fp32-bf16pass"].rounds_below_f32  # a dot algorithm's name is not a low dtype
     assert NumericPolicy(index_scores_dtype="bf16").rounds_below_f32
+
+
+def test_only_the_transformers_emulations_break_index_ties_as_torch():
+    """`index_ties` stays lax.top_k's order (lower-slot, the default: every other preset's bits are unchanged)
+    except in the hf-* presets, which emulate transformers on the CPU (torch-cpu)."""
+    assert NumericPolicy().index_ties == "lower-slot"
+    assert {name for name, policy in PRESETS.items() if policy.index_ties == "torch-cpu"} == {
+        "hf-eager-bf16", "hf-grouped-bf16", "hf-fp32"}
+    assert PRESETS["hf-fp32"].diff(PRESETS["fp32"]) == [("index_ties", "torch-cpu", "lower-slot")]
+    p = NumericPolicy.parse("aligned-bf16,index_ties=torch-cpu")
+    assert p.index_ties == "torch-cpu" and type(p.index_ties) is str and "index_ties=torch-cpu" in str(p)
+    assert p.compact() == "aligned-bf16,index_ties=torch-cpu" and NumericPolicy.parse(str(p)) == p
 
 
 @pytest.mark.parametrize("text, compact", [

@@ -233,14 +233,20 @@ def save(model: Transformer, path: str, dtype=np.float32) -> None:
 
 
 # --- numeric emulation -------------------------------------------------------------------------------------------
-def emulation_policy(family: str, experts_implementation: str = "eager"):
-    """The NumericPolicy that emulates transformers' bf16 forward for `family` with
-    `attn_implementation="eager"` and the given `experts_implementation` ("eager" or "grouped_mm")."""
+def emulation_policy(family: str, experts_implementation: str = "eager", dtype: str = "bf16"):
+    """The NumericPolicy that emulates transformers' CPU forward for `family`: in bf16 (`dtype="bf16"`) with
+    `attn_implementation="eager"` and the given `experts_implementation` ("eager" or "grouped_mm"); in float32
+    (`dtype="f32"`: `hf-fp32`, either experts implementation). Both keep the DSA indexer's exact ties as torch.topk
+    does on the CPU (`index_ties=torch-cpu`)."""
     from jaxalign.numerics import NumericPolicy
     if experts_implementation not in ("eager", "grouped_mm"):
         raise ValueError(f"experts_implementation {experts_implementation!r}; allowed: eager, grouped_mm")
+    if dtype not in ("bf16", "f32"):
+        raise ValueError(f"dtype {dtype!r}; allowed: bf16, f32")
     family = "qwen3_moe" if family == "jaxalign" else family
     if family not in families.names():
         raise ValueError(f"family {family!r}; supported: {', '.join(families.names())}")
+    if dtype == "f32":
+        return NumericPolicy.preset("hf-fp32")
     base = "hf-eager-bf16" if experts_implementation == "eager" else "hf-grouped-bf16"
     return NumericPolicy.parse(base + families.get(family).emulation)

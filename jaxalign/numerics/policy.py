@@ -436,11 +436,16 @@ PRESETS: dict[str, NumericPolicy] = {
     # Both sides in float16 (Qi et al. 2025); f32 norms, router, softmax and logits.
     "fp16": NumericPolicy(param_dtype="f16", compute_dtype="f16", kv_cache_dtype="f16"),
     # transformers' eager attention and expert loop: RoPE rotation and q.k scores in bf16, router linear in bf16, weights cast back to bf16, one expert at a time,
-    # index_add_ in bf16.
+    # index_add_ in bf16; the DSA indexer's exact ties kept as torch.topk keeps them on the CPU.
     "hf-eager-bf16": _bf16_compute(rope_dtype="bf16", attn_scores_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
-                                   combine_acc_dtype="bf16", combine_order="expert", logits_dtype="bf16"),
+                                   combine_acc_dtype="bf16", combine_order="expert", logits_dtype="bf16",
+                                   index_ties="torch-cpu"),
     # transformers' grouped_mm path: same router and bf16 products, summed over the top-k slots in float32 and
     # cast once.
     "hf-grouped-bf16": _bf16_compute(rope_dtype="bf16", attn_scores_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
-                                     combine_acc_dtype="f32", combine_order="slot", logits_dtype="bf16"),
+                                     combine_acc_dtype="f32", combine_order="slot", logits_dtype="bf16",
+                                     index_ties="torch-cpu"),
+    # transformers' float32 forward on the CPU: fp32, with the DSA indexer's exact ties kept as torch.topk keeps
+    # them (relu zeroes many index scores, so ties at the top-k boundary are common; lax.top_k keeps others).
+    "hf-fp32": NumericPolicy(index_ties="torch-cpu"),
 }

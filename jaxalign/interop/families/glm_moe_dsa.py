@@ -10,7 +10,9 @@ class GlmMoeDsa(DeepseekV3):
     model_type = "glm_moe_dsa"
     architecture = "GlmMoeDsaForCausalLM"
     layer_types = {"indexed_attention": "dsa"}
-    emulation = ",router=f32,gate=f32"  # the indexer's scores are float32 in transformers (index=f32)
+    # the indexer's scores are float32 in transformers (index=f32); its exact ties are kept as torch.topk keeps them
+    # on the CPU by every hf-* preset (index_ties=torch-cpu)
+    emulation = ",router=f32,gate=f32"
 
     def extra_fields(self, hf: dict) -> dict:
         if not hf.get("rope_interleave", True):  # transformers' GLM-5 rotates interleaved pairs whatever it says
