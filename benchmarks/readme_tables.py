@@ -124,11 +124,11 @@ def staleness_table(record: dict) -> str:
     """One row per arm of the lag x engine grid: final held-out reward against the synchronous aligned arm, and
     the mean numerics and staleness k3 of its batches."""
     header = ["engine", "lag", "seeds", "held-out reward: start -> final", "vs sync aligned", "p",
-              "numerics k3", "staleness k3"]
+              "numerics k3 (median step)", "staleness k3 (median step)"]
     rows = [[r["engine"], str(r["lag"]), str(r["seeds"]),
              f"{_reward(r['warm_start_reward'])} -> {_reward(r['final_reward'])} ± {_reward(r['final_reward_std'])}",
-             _signed(r.get("final_vs_baseline")), _fmt(r.get("final_p")), _fmt(r["numerics_k3"]),
-             _fmt(r["staleness_k3"])] for r in record["rows"]]
+             _signed(r.get("final_vs_baseline")), _fmt(r.get("final_p")), _fmt(r["numerics_k3_median"]),
+             _fmt(r["staleness_k3_median"])] for r in record["rows"]]
     exp = record["settings"]["experiment"]
     note = (f"_Trainer `{record['settings']['trainer']}` in every arm, decoupled objective with "
             f"`{record['settings']['correction']}`; {exp['steps']} steps; means over the finished seeds of "

@@ -54,7 +54,9 @@ def test_the_grid_verdict_follows_the_data_and_is_rebuilt_from_the_files_alone(t
     assert rows["serve-bf16.lag2"]["staleness_k3"] == pytest.approx(1e-3)
     lag0, lag2 = result["verdict"]
     assert lag0.startswith("Lag 0:") and "neither gap changes learning detectably" in lag0
-    assert lag2.startswith("Lag 2:") and "staleness dominates learning" in lag2 and "10.0x numerics k3" in lag2
+    assert lag2.startswith("Lag 2:") and "staleness dominates learning" in lag2
+    assert "median staleness k3 10.0x the numerics k3" in lag2 and "p = 0.00216" in lag2
+    assert rows["serve-bf16.lag2"]["staleness_k3_median"] == pytest.approx(1e-3)
     assert json.loads((out / "staleness.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
     assert (out / "staleness_split.png").exists() and "## Verdict" in (out / "staleness.md").read_text()
 
