@@ -125,6 +125,25 @@ def fingerprint(preset: str, policy_name: str, parts=PARTS) -> dict[str, object]
     return out
 
 
+def release_compiled_programs() -> None:
+    """Clear JAX's compile caches once this process holds over half the kernel's limit on memory mappings (as
+    tests/conftest.py does between tests): XLA:CPU keeps ~3 mappings per JITted kernel while its executable is
+    cached, and all the pairs in one process passed vm.max_map_count (65530) once GLM-5's emulation pair compiled
+    its indexer's torch-cpu selection (`index_ties`: ~1700 more mappings); the next JIT mmap failed and the
+    process died (SIGSEGV) three pairs later.
+    A pair never reuses another's programs, so clearing costs nothing and changes no bits."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps") as f:
+            count = sum(1 for _ in f)
+    except (OSError, ValueError):  # not Linux
+        return
+    if count > limit // 2:
+        import jax
+        jax.clear_caches()
+
+
 def hf_export(preset: str) -> str:
     """Hash of the config.json dict and the tensors `interop.hf` writes for a family preset's model."""
     from jaxalign.interop import hf
@@ -185,6 +204,7 @@ def main(argv=None) -> int:
                 mismatches.append(f"{key}:{part}")
         print(f"{key}: {','.join(parts)} {time.perf_counter() - t0:.1f} s"
               + (f"  MISMATCH" if any(m.startswith(key + ":") for m in mismatches) else ""), flush=True)
+        release_compiled_programs()
     exports = {}
     if not args.only:
         for preset in preset_names():
