@@ -51,10 +51,10 @@ HOSTILE_ROWS = [
 
 
 def _tied_rows(rng, count: int) -> list[tuple[np.ndarray, int]]:
-    """(row, k) pairs whose top-k boundary ties exactly, of many shapes: all-zero rows, a few small integers,
-    relu-like rows (half zeros), visible keys then masked ones (-inf, or transformers' float mask: finfo.min),
-    NaN / +-0 / +-inf mixes, sorted either way, k = n (rows no longer than the top-k), and rows long enough for
-    torch's partial-sort path (k * 64 <= n)."""
+    """(row, k) pairs full of exact ties (about half tie at the top-k boundary), of many shapes: all-zero rows,
+    a few small integers, relu-like rows (half zeros), visible keys then masked ones (-inf, or transformers'
+    float mask: finfo.min), NaN / +-0 / +-inf mixes, sorted either way, k = n (rows no longer than the top-k),
+    and rows long enough for torch's partial-sort path (k * 64 <= n)."""
     out = []
     for i in range(count):
         n = int(rng.choice([1, 2, 3, 4, 5, 9, 13, 17, 24, 33, 40, 64, 129])) if i % 8 else int(rng.integers(128, 201))
