@@ -127,7 +127,8 @@ def staleness_table(record: dict) -> str:
               "numerics k3 (median step)", "staleness k3 (median step)"]
     rows = [[r["engine"], str(r["lag"]), str(r["seeds"]),
              f"{_reward(r['warm_start_reward'])} -> {_reward(r['final_reward'])} ± {_reward(r['final_reward_std'])}",
-             _signed(r.get("final_vs_baseline")), _fmt(r.get("final_p")), _fmt(r["numerics_k3_median"]),
+             _signed(r.get("final_vs_baseline")), _fmt(r.get("final_p")) if r["seeds"] > 1 else "-",
+             _fmt(r["numerics_k3_median"]),
              _fmt(r["staleness_k3_median"])] for r in record["rows"]]
     exp = record["settings"]["experiment"]
     note = (f"_Trainer `{record['settings']['trainer']}` in every arm, decoupled objective with "

@@ -181,8 +181,12 @@ def grid_verdict(effects: list[dict]) -> list[str]:
             parts.insert(0, f"the lag alone moves final reward {lag['difference']:+.3f}{_test(lag)}")
             if lag["p"] < SIGNIFICANT:
                 candidates.append((abs(lag["difference"]), "staleness"))
-        winner = (f"{max(candidates)[1]} dominates learning" if candidates else
-                  "neither gap changes learning detectably at these seeds")
+        effects = [x for x in e["engines"].values()] + ([e["lag_effect"]] if e["lag_effect"] else [])
+        if all(x["seeds"] < 2 for x in effects):
+            winner = "with one seed per arm, which gap changes learning cannot be tested yet"
+        else:
+            winner = (f"{max(candidates)[1]} dominates learning" if candidates else
+                      "neither gap changes learning detectably at these seeds")
         lines.append(f"Lag {e['lag']}: " + "; ".join(parts) + f". So: {winner}.")
     return lines
 
