@@ -132,9 +132,7 @@ def run_study_command(args) -> int:
     if args.report:
         result = write_report(args.out)
     else:
-        exp = default_experiment()
-        exp = dataclasses.replace(exp, seeds=tuple(args.seeds) if args.seeds is not None else exp.seeds,
-                                  steps=args.steps or exp.steps)
+        exp = _study_experiment(args)
         output_dir(args.out)
         result = run_study(StudyConfig(experiment=exp), args.out, progress=not args.json, jobs=args.jobs,
                            only=tuple(args.only) if args.only else None)
@@ -144,19 +142,9 @@ def run_study_command(args) -> int:
 
 def add_study_parser(esub) -> None:
     """`jaxalign experiment study`: the seed-regime study (jaxalign.rl.study)."""
-    exp = default_experiment()
     s = esub.add_parser("study", help="the seed-regime study: engines calibrated to k3 doses at the warm start, "
                                       "one trainer policy, corrected / R3 / random-drop / aligned-fp8 arms, seeds")
-    s.add_argument("--out", required=True, help="study directory (resumes runs found there)")
-    s.add_argument("--seeds", type=int_list_nonneg, default=None,
-                   help=f"seeds (default {_ints_text(exp.seeds)})")
-    s.add_argument("--steps", type=positive_int, default=None, help=f"RL steps of each run (default {exp.steps})")
-    s.add_argument("--only", type=str_list, default=None,
-                   help="run only these arms (comma-separated names, as study.md lists them); default: all")
-    s.add_argument("--report", action="store_true",
-                   help="train nothing: rebuild study.json, study.md and the plots from the directory's files")
-    add_jobs_arg(s)
-    add_json_arg(s)
+    _add_study_args(s, "study", "study.md")
     s.set_defaults(func=run_study_command)
 
 
@@ -165,9 +153,7 @@ def run_staleness_command(args) -> int:
     if args.report:
         result = write_grid_report(args.out)
     else:
-        exp = default_experiment()
-        exp = dataclasses.replace(exp, seeds=tuple(args.seeds) if args.seeds is not None else exp.seeds,
-                                  steps=args.steps or exp.steps)
+        exp = _study_experiment(args)
         output_dir(args.out)
         result = run_grid(StalenessConfig(experiment=exp, lags=tuple(args.lags)), args.out,
                           progress=not args.json, jobs=args.jobs, only=tuple(args.only) if args.only else None)
@@ -177,21 +163,36 @@ def run_staleness_command(args) -> int:
 
 def add_staleness_parser(esub) -> None:
     """`jaxalign experiment staleness`: lag x engine (jaxalign.rl.staleness_study)."""
-    exp = default_experiment()
     s = esub.add_parser("staleness", help="asynchronous rollouts: lag x engine grid, the seed-regime study's "
                                           "settings; which gap (staleness or numerics) dominates learning")
-    s.add_argument("--out", required=True, help="grid directory (resumes runs found there)")
-    s.add_argument("--seeds", type=int_list_nonneg, default=None, help=f"seeds (default {_ints_text(exp.seeds)})")
-    s.add_argument("--steps", type=positive_int, default=None, help=f"RL steps of each run (default {exp.steps})")
     s.add_argument("--lags", type=int_list_nonneg, default=list(LAGS),
                    help=f"max_lag values, 0 included (default {_ints_text(LAGS)})")
-    s.add_argument("--only", type=str_list, default=None,
-                   help="run only these arms (comma-separated names ENGINE.lagK, as staleness.md lists them)")
-    s.add_argument("--report", action="store_true",
-                   help="train nothing: rebuild staleness.json, staleness.md and the plots from the directory's files")
-    add_jobs_arg(s)
-    add_json_arg(s)
+    _add_study_args(s, "grid", "staleness.md")
     s.set_defaults(func=run_staleness_command)
+
+
+def _add_study_args(parser, what: str, table: str) -> None:
+    """The options `experiment study` and `experiment staleness` share: --out, --seeds, --steps, --only,
+    --report, --jobs and --json (seeds and steps default to `default_experiment`'s)."""
+    exp = default_experiment()
+    parser.add_argument("--out", required=True, help=f"{what} directory (resumes runs found there)")
+    parser.add_argument("--seeds", type=int_list_nonneg, default=None, help=f"seeds (default {_ints_text(exp.seeds)})")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help=f"RL steps of each run (default {exp.steps})")
+    parser.add_argument("--only", type=str_list, default=None,
+                        help=f"run only these arms (comma-separated names, as {table} lists them); default: all")
+    parser.add_argument("--report", action="store_true",
+                        help=f"train nothing: rebuild {table.replace('.md', '.json')}, {table} and the plots from "
+                             f"the directory's files")
+    add_jobs_arg(parser)
+    add_json_arg(parser)
+
+
+def _study_experiment(args) -> ExperimentConfig:
+    """`default_experiment` with the command's --seeds and --steps."""
+    exp = default_experiment()
+    return dataclasses.replace(exp, seeds=tuple(args.seeds) if args.seeds is not None else exp.seeds,
+                               steps=args.steps or exp.steps)
 
 
 def _ints_text(values) -> str:
