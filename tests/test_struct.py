@@ -95,8 +95,8 @@ def test_cli_defaults_come_from_the_definitions():
         param_default(run_check, n) for n in ("n_prompts", "max_new_tokens", "seed", "replay"))
     args = parser.parse_args(["experiment", "countdown", "--out", "x"])
     for name in ("prompts_per_step", "group_size", "max_new_tokens", "learning_rate", "is_threshold", "rs",
-                 "eval_every", "eval_problems", "problem_count", "max_target"):
+                 "eval_every", "eval_problems", "problem_count", "max_target", "max_number", "held_out"):
         assert getattr(args, name) == field_default(ExperimentConfig, name), name
-    assert (args.sft_steps, args.sft_problems) == (field_default(SFTConfig, "steps"),
-                                                   field_default(SFTConfig, "problems"))
+    sft = field_default(ExperimentConfig, "sft")  # the experiment's warm start, not SFTConfig's own defaults
+    assert (args.sft_steps, args.sft_problems, args.sft_answers) == (sft.steps, sft.problems, sft.answers)
     assert cli_experiment._arms(args) == ExperimentConfig().arms
