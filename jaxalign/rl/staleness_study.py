@@ -243,27 +243,23 @@ def plot_grid(runs: dict, out_dir: str) -> list[str]:
     mean_series = lambda arm, key: (  # noqa: E731
         [r["step"] for r in next(rows for (a, _), rows in runs.items() if a == arm) if key in r],
         np.mean([[r[key] for r in rows if key in r] for (a, _), rows in runs.items() if a == arm], axis=0))
+    panels = [("staleness_reward.png", "held-out reward (greedy, trainer policy)", (("eval_reward", "-"),), None),
+              ("staleness_split.png", "k3 per step: numerics (solid) and staleness (dotted)",
+               (("numerics/k3_kl", "-"), ("staleness/k3_kl", ":")), 1e-6)]
     paths = []
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
-    for i, arm in enumerate(arms):
-        ax.plot(*mean_series(arm, "eval_reward"), label=arm, color=f"C{i % 10}")
-    ax.set_title("held-out reward (greedy, trainer policy)")
-    ax.set_xlabel("step")
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "staleness_reward.png"))
-    fig.savefig(paths[-1], dpi=100)
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
-    for i, arm in enumerate(arms):
-        for key, style in (("numerics/k3_kl", "-"), ("staleness/k3_kl", ":")):
-            ax.plot(*mean_series(arm, key), style, color=f"C{i % 10}", label=f"{arm} {key.split('/')[0]}")
-    ax.set_yscale("symlog", linthresh=1e-6)
-    ax.set_title("k3 per step: numerics (solid) and staleness (dotted)")
-    ax.set_xlabel("step")
-    ax.legend(fontsize=5, ncol=2)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "staleness_split.png"))
-    fig.savefig(paths[-1], dpi=100)
+    for name, title, series, linthresh in panels:
+        fig = Figure(figsize=(7, 4))
+        ax = fig.subplots()
+        for i, arm in enumerate(arms):
+            for key, style in series:
+                label = arm if len(series) == 1 else f"{arm} {key.split('/')[0]}"
+                ax.plot(*mean_series(arm, key), style, color=f"C{i % 10}", label=label)
+        if linthresh:
+            ax.set_yscale("symlog", linthresh=linthresh)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=6 if len(series) == 1 else 5, ncol=2)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=100)
     return paths
