@@ -8,16 +8,17 @@ import sys
 
 from jaxalign.model.config import ModelConfig
 from jaxalign.rl.sft import warm_start
-from jaxalign.rl.rundir import RunDirBusy
+from jaxalign.rl.rundir import RunDirBusy, hold
 from jaxalign.rl.trainer import Trainer
 
 sys.path.insert(0, sys.argv[1])
 from rl_settings import SFT, rl_config  # noqa: E402
 
 cache, run_dir, overrides = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-model = warm_start(ModelConfig.preset("countdown"), SFT, cache, progress=False)
-try:
-    Trainer(model, rl_config(**overrides), run_dir).run(progress=False)
+try:  # the directory first, as the command line takes it: a refused run loads nothing (no orbax threads to stop)
+    held = hold(run_dir)
 except RunDirBusy as err:
     print(err, file=sys.stderr)
     sys.exit(2)
+model = warm_start(ModelConfig.preset("countdown"), SFT, cache, progress=False)
+Trainer(model, rl_config(**overrides), run_dir).run(progress=False)
