@@ -59,7 +59,8 @@ def jax_side(policy_text: str) -> None:
                                                          engine.policy))
         kv_bytes = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache))
         assert kv_bytes == engine.kv_cache_bytes(len(prompts), out.stats["cache_len"])
-        assert str(cache[0][0].dtype) == str(np.dtype(dtype(engine.policy.kv_cache_dtype)))
+        if any(kind != "gated_deltanet" for kind in engine.config.layer_kinds):  # a KV cache is there
+            assert str(np.dtype(dtype(engine.policy.kv_cache_dtype))) in {str(x.dtype) for x in jax.tree.leaves(cache)}
         return {"first_call_s": first_s, "tokens": out.tokens.tolist(), "kv_cache_bytes": kv_bytes,
                 "cache_slots": out.stats["cache_len"], "peak_rss_mib": peak_rss_mib()}
 
@@ -98,19 +99,29 @@ def hf_side(spec: str) -> None:
     def setup(prompts, new_tokens):
         state["ids"], state["new"] = torch.tensor(prompts, dtype=torch.long), new_tokens
         first_s, out = timed(run)
-        kv_bytes = 0
-        cache = out.cache
-        for layer in cache.layers:
-            for t in (layer.keys, layer.values):
-                kv_bytes += t.numel() * t.element_size()
+        cache = out.cache  # keys/values per attention layer; conv and recurrent states per linear-attention one
+        kv_bytes = sum(_tensor_bytes(vars(layer)) for layer in cache.layers)
+        slots = [layer.keys.shape[-2] for layer in cache.layers if isinstance(getattr(layer, "keys", None), torch.Tensor)]
         return {"first_call_s": first_s, "tokens": out.sequences.tolist(), "kv_cache_bytes": kv_bytes,
-                "cache_slots": int(cache.layers[0].keys.shape[-2]), "peak_rss_mib": peak_rss_mib()}
+                "cache_slots": int(slots[0]) if slots else 0, "peak_rss_mib": peak_rss_mib()}
 
     def time_once():
         return timed(run)[0]
 
     serve({"load": load, "setup": setup, "time": time_once,
            "final": lambda: {"peak_rss_mib": peak_rss_mib(), "threads": thread_settings()}})
+
+
+def _tensor_bytes(value) -> int:
+    """Bytes of every torch tensor in `value` (a tensor, or dicts, lists and tuples of them)."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 # --- parent ----------------------------------------------------------------------------------------------------

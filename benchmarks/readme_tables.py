@@ -4,7 +4,9 @@
 - `demo`: `jaxalign demo`'s summary (benchmarks/results/demo.json, recorded from a demo run with `--demo DIR`);
 - `study`: the seed-regime study (docs/study/study.json, `jaxalign experiment study --out docs/study --report`);
 - `staleness`: the lag x engine grid (docs/staleness/staleness.json,
-  `jaxalign experiment staleness --out docs/staleness --report`).
+  `jaxalign experiment staleness --out docs/staleness --report`);
+- `aggregation`: the MoE aggregation paths on tiny-qwen3.5 (benchmarks/results/aggregation_gap.json,
+  `python benchmarks/aggregation_gap.py`).
 
     python benchmarks/readme_tables.py                  # rewrite the tables in README.md
     python benchmarks/readme_tables.py --check          # exit 1 when README.md's tables differ from the data
@@ -29,7 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 README = os.path.join(ROOT, "README.md")
 SOURCES = {"gap": "benchmarks/results/gap_table.json", "demo": "benchmarks/results/demo.json",
-           "study": "docs/study/study.json", "staleness": "docs/staleness/staleness.json"}
+           "study": "docs/study/study.json", "staleness": "docs/staleness/staleness.json",
+           "aggregation": "benchmarks/results/aggregation_gap.json"}
 MARKER = re.compile(r"<!-- table:(\w+) -->\n.*?<!-- /table:\1 -->", re.S)
 
 
@@ -137,7 +140,26 @@ def staleness_table(record: dict) -> str:
     return _markdown(header, rows) + "\n\n" + note
 
 
-RENDERERS = {"gap": gap_table, "demo": demo_table, "study": study_table, "staleness": staleness_table}
+def aggregation_table(record: dict) -> str:
+    """One row per top-k: k3 between each pair of aggregation paths (teacher-forced on the same tokens), and for
+    eager against grouped what `localize` names and the k3 left with the MoE blocks on the reference path."""
+    pairs = list(dict.fromkeys((r["trainer_path"], r["engine_path"]) for r in record["rows"]))
+    found = {r["top_k"]: r for r in record["localize"]}
+    header = ["top-k"] + [f"k3 {a} vs {b}" for a, b in pairs] + ["localize names", "k3, MoE blocks swapped"]
+    rows = []
+    for k in record["top_ks"]:
+        k3 = {(r["trainer_path"], r["engine_path"]): r["k3_kl"] for r in record["rows"] if r["top_k"] == k}
+        loc = found.get(k)
+        rows.append([str(k)] + [_fmt(k3[p]) for p in pairs]
+                    + ([f"`{loc['culprit']}`", _fmt(loc["k3_moe_from_trainer"])] if loc else ["-", "-"]))
+    note = (f"_`{record['preset']}` ({record['model']}) with top-k of its 8 experts varied, paths over "
+            f"`{record['base_name']}`; {record['prompts']} prompts x {record['max_new_tokens']} "
+            f"new tokens; from `{SOURCES['aggregation']}` ({_machine(record)})._")
+    return _markdown(header, rows) + "\n\n" + note
+
+
+RENDERERS = {"gap": gap_table, "demo": demo_table, "study": study_table, "staleness": staleness_table,
+             "aggregation": aggregation_table}
 
 
 def load(name: str, root: str = ROOT) -> dict:

@@ -13,7 +13,8 @@ Three parts, each against a threshold, one pass/fail verdict:
    flip no router decision (`max_route_flips`, default 0): a flipped expert means the trainer's gradient goes
    through experts the engine never used (R3 measured ~10% flips on Qwen3-30B-A3B, and MoE GRPO runs that
    collapsed). Router replay (`replay="r3"`) is how a non-aligned pair passes that part.
-The report also names the implementation each kernel ran with on this backend (`numerics.kernels`: lax tiled
+Beside them, reported without a threshold: each probed kernel's trainer-engine gap on the same rows (a chunked
+delta rule against a recurrent one, chunked attention against full). The report also names the implementation each kernel ran with on this backend (`numerics.kernels`: lax tiled
 on the CPU, the Pallas kernels for `tiled:T` on a GPU/TPU), as recorded while the programs were traced.
 """
 
@@ -105,6 +106,20 @@ def probe(cfg, policy: NumericPolicy, kernel: str, batches=PROBE_BATCHES) -> dic
     return {"kernel": kernel, "cases": cases, "bitwise_invariant": bitwise, "max_abs_diff": max_diff}
 
 
+def kernel_gap(cfg, trainer: NumericPolicy, engine: NumericPolicy, kernel: str, batch: int = 4) -> dict:
+    """One kernel's trainer-engine gap: the same `batch` random rows through the trainer's and the engine's version
+    (e.g. a chunked delta rule against a recurrent one). Returns whether the outputs are bitwise equal and the
+    largest absolute and relative differences."""
+    make, fn_trainer = _kernels(cfg, trainer)[kernel]
+    fn_engine = _kernels(cfg, engine)[kernel][1]
+    x = make(batch, 4242)
+    a = np.asarray(jax.jit(fn_trainer)(x), np.float64)
+    b = np.asarray(jax.jit(fn_engine)(x), np.float64)
+    diff = np.abs(a - b)
+    return {"kernel": kernel, "bitwise_equal": bool(np.array_equal(a, b)), "max_abs_diff": float(diff.max()),
+            "max_rel_diff": float((diff / np.maximum(np.abs(a), 1e-30)).max())}
+
+
 def _gap_runs(engine_batches) -> list[dict]:
     runs = [dict(run=f"static batch {b}", engine_batches=(b,), schedule="static", prefill_chunk=None)
             for b in engine_batches]
@@ -134,7 +149,9 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
     kernels = list(_kernels(cfg, trainer))
     gap_runs = _gap_runs(engine_batches)
     n_prompts = n_prompts or max(engine_batches)
-    bar = tqdm(total=2 + len(sides) * len(kernels) + len(gap_runs), desc="jaxalign check", disable=not progress)
+    shared = [k for k in kernels if k in _kernels(cfg, engine)] if len(sides) == 2 else []
+    bar = tqdm(total=2 + len(sides) * len(kernels) + len(shared) + len(gap_runs), desc="jaxalign check",
+               disable=not progress)
 
     audits, used = {}, {}
     for side, policy, programs in (("trainer", trainer, TRAINER_PROGRAMS), ("engine", engine, ENGINE_PROGRAMS)):
@@ -156,6 +173,12 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
                            "claimed": claimed, "status": status})
             used[side] |= ran
             bar.update()
+
+    kernel_gaps = []  # reported, not judged: the end-to-end gaps below are what the thresholds apply to
+    for kernel in shared:
+        bar.set_postfix_str(f"kernel gap {kernel}")
+        kernel_gaps.append(kernel_gap(cfg, trainer, engine, kernel))
+        bar.update()
 
     gaps = []
     for run in gap_runs:
@@ -195,7 +218,7 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
                            "probes": "bitwise for a batch-invariant policy, else reported only",
                            "audit": "no product with its precision or accumulation left to the backend"},
             "kernels": {side: sorted(found) for side, found in used.items()},
-            "audit": audits, "probes": probes, "gaps": gaps,
+            "audit": audits, "probes": probes, "kernel_gaps": kernel_gaps, "gaps": gaps,
             **({"fp8_rounding": fp8_rounding} if fp8_rounding is not None else {}), "passed": passed}
 
 
@@ -240,6 +263,9 @@ def format_report(result: dict) -> str:
     lines += ["", "batch-invariance probes (a row alone vs in batches, at several positions):",
               report.table(result["probes"], ["policy", "kernel", "implementation", "cases", "bitwise_invariant",
                                               "max_abs_diff", "claimed", "status"]),
+              *(["", "trainer vs engine per kernel (the same rows through each side's version):",
+                 report.table(result["kernel_gaps"], ["kernel", "bitwise_equal", "max_abs_diff", "max_rel_diff"])]
+                if result["kernel_gaps"] else []),
               "", "trainer vs engine:",
               report.table(result["gaps"], ["run", "kl", "k3_kl", "max_abs_logp_diff", "bitwise_equal_fraction",
                                             "route_flip_rate"]

@@ -127,6 +127,54 @@ NOTEBOOKS = {
         ("md", "In the aligned arm every step has KL exactly 0 and nothing is rejected: the engine's logprobs are "
                "bitwise the trainer's. In the misaligned arm the safeguards reject a share of every batch."),
     ],
+    "04_qwen35_aggregation.ipynb": [
+        ("md", "# The seed's Qwen3.5-MoE finding: the expert sum is a backend choice\n\n"
+               "The seed's Qwen3.5-MoE training path differed from the Hugging Face reference by k3 0.296, 300x the "
+               "0.001 threshold for calling two paths equivalent; swapping only the MoE blocks for the reference "
+               "modules took k3 to zero. The cause was how the k weighted expert outputs are summed. transformers "
+               "has two such paths: the eager loop weights each expert's output in bf16 and `index_add_`s it into "
+               "a bf16 buffer (k - 1 roundings per token); `grouped_mm` sums the same bf16 products in float32 and "
+               "casts once. A trainer may also weight and sum in float32 throughout. jaxalign names the three "
+               "(`AGGREGATION_PATHS`, three policy fields each) and measures them here on `tiny-qwen3.5` "
+               "(gated DeltaNet + gated attention, 8 experts) in bf16, with top-k varied: each path scores the "
+               "same tokens teacher-forced, so nothing but the sum differs."),
+        ("code", "%matplotlib inline\nimport matplotlib.pyplot as plt\n"
+                 "import jaxalign as ja\nfrom jaxalign import report\n"
+                 "from jaxalign.align.aggregation import aggregation_gap\n"
+                 "from jaxalign.numerics.experts import AGGREGATION_PATHS\n\n"
+                 "for name, fields in AGGREGATION_PATHS.items():\n"
+                 "    print(f'{name:8s}', dict(fields))\n"
+                 "result = aggregation_gap(ja.ModelConfig.preset('tiny-qwen3.5'), ja.NumericPolicy.preset('hf-grouped-bf16'),\n"
+                 "                         top_ks=(2, 4), n_prompts=8, max_new_tokens=16)\n"
+                 "print(report.table(result['rows'], ['top_k', 'trainer_path', 'engine_path', 'k3_kl', 'max_abs_logp_diff',\n"
+                 "                                    'bitwise_equal_fraction', 'route_flip_rate']))"),
+        ("md", "At top-2 eager and grouped agree to the bit: bf16(0 + p1) = p1, and p1 + p2 rounds once either "
+               "way. From top-3 on the eager loop rounds after every expert and the paths part (the real model "
+               "routes top-8; the benchmark below has top-8 too). The float32 path differs from both at every k, since its gate weights and products "
+               "are not rounded to bf16."),
+        ("code", "pairs = list(dict.fromkeys((r['trainer_path'], r['engine_path']) for r in result['rows']))\n"
+                 "fig, ax = plt.subplots(figsize=(6, 3.5))\n"
+                 "width = 0.8 / len(pairs)\n"
+                 "for i, (a, b) in enumerate(pairs):\n"
+                 "    k3 = [r['k3_kl'] for r in result['rows'] if (r['trainer_path'], r['engine_path']) == (a, b)]\n"
+                 "    ax.bar([j + i * width for j in range(len(result['top_ks']))], k3, width, label=f'{a} vs {b}')\n"
+                 "ax.set_xticks([j + width for j in range(len(result['top_ks']))], [f'top-{k}' for k in result['top_ks']])\n"
+                 "ax.set_yscale('symlog', linthresh=1e-7)\nax.set_ylabel('k3 (teacher-forced)')\nax.legend(fontsize=8)\n"
+                 "fig.tight_layout()\nplt.show()"),
+        ("md", "## Localising it, and the seed's module swap\n\n"
+               "`localize` with the eager path as the engine and grouped as the trainer switches one policy field "
+               "at a time, then takes whole module kinds from the trainer's policy. It names the accumulation "
+               "dtype of the expert sum, and with the MoE blocks on the reference path the gap is exactly zero, "
+               "as in the seed; taking the attention from the trainer changes nothing."),
+        ("code", "found = result['localize'][0]\n"
+                 "print(f\"top-{found['top_k']}: {found['engine_path']} (engine) vs {found['trainer_path']} (trainer), k3 {found['k3_kl']:.3e}\")\n"
+                 "print(report.table(found['fields'], ['field', 'trainer', 'engine', 'k3_alone', 'k3_removed']))\n"
+                 "print('culprit:', found['culprit'])\n"
+                 "print('k3 with the MoE blocks from the trainer:', found['k3_moe_from_trainer'])\n"
+                 "print('k3 with the attention from the trainer: ', found['k3_attn_from_trainer'])"),
+        ("md", "The same study at top-2, 4 and 8 with 16 prompts x 24 tokens is `python benchmarks/aggregation_gap.py` "
+               "(`benchmarks/results/aggregation_gap.json`, the README's table)."),
+    ],
 }
 
 

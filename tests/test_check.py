@@ -45,7 +45,7 @@ def test_pair_with_a_gap_fails_with_documented_json(capsys):
     assert code == 1
     result = json.loads(out.out)
     assert set(result) == {"environment", "model", "trainer", "engine", "claims_alignment", "replay", "thresholds",
-                           "kernels", "audit", "probes", "gaps", "passed"}  # docs/check.md
+                           "kernels", "audit", "probes", "kernel_gaps", "gaps", "passed"}  # docs/check.md
     # train-bf16 multiplies with XLA's kernel, sorted dispatch; serve-bf16 with chunked attention, dense dispatch
     backend = "gpu" if jax.default_backend() in ("cuda", "rocm") else jax.default_backend()
     assert {"matmul: xla", "grouped_matmul: xla", "attention: lax-full"} == \
@@ -63,6 +63,10 @@ def test_pair_with_a_gap_fails_with_documented_json(capsys):
     assert all((g["status"] == "FAIL") == (g["route_flip_rate"] > 0) for g in result["gaps"])
     assert {p["kernel"] for p in result["probes"]} == {"matmul", "rms_norm", "softmax", "attention"}
     assert all(p["status"] == "info" for p in result["probes"])  # neither policy claims batch invariance
+    # the same rows through each side's kernel: serve-bf16's chunked attention is not train-bf16's full one
+    gaps = {g["kernel"]: g for g in result["kernel_gaps"]}
+    assert set(gaps) == {"matmul", "rms_norm", "softmax", "attention"}
+    assert not gaps["attention"]["bitwise_equal"] and gaps["attention"]["max_abs_diff"] > 0
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="TF32 is refused only on XLA:CPU")

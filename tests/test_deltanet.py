@@ -152,6 +152,19 @@ def test_check_probes_the_delta_rule_and_the_aligned_form_is_batch_invariant():
     assert result["cases"] == 7 and result["bitwise_invariant"], result  # 1 + 3 + 3 positions
 
 
+def test_check_reports_the_delta_rules_gap_between_the_trainers_and_the_engines_form():
+    """`check`'s kernel gap: the same rows through train-bf16's chunked rule and serve-bf16's recurrent one differ;
+    with the engine switched to the trainer's form (and the delta-rule fields alone) they are bitwise equal."""
+    from jaxalign.check import kernel_gap
+    cfg = ModelConfig.preset("tiny-qwen3.5")
+    train, serve = NumericPolicy.preset("train-bf16"), NumericPolicy.preset("serve-bf16")
+    assert (str(train.delta_rule), str(serve.delta_rule)) == ("chunked:64", "recurrent")
+    gap = kernel_gap(cfg, train, serve, "delta_rule")
+    assert not gap["bitwise_equal"] and gap["max_abs_diff"] > 0 and gap["kernel"] == "delta_rule"
+    same_form = kernel_gap(cfg, train, serve.replace(delta_rule=train.delta_rule), "delta_rule")
+    assert same_form["bitwise_equal"] and same_form["max_abs_diff"] == 0.0
+
+
 @pytest.mark.bitwise
 def test_aligned_engine_equals_trainer_with_trained_norms_decays_and_conv():
     """Every parameter of the hybrid moved off its init (zero-centred norm weights, A_log, dt_bias, conv taps --

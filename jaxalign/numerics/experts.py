@@ -215,6 +215,26 @@ def _gate(y: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
     return gate(y, w)
 
 
+# The three ways a MoE block sums its k weighted expert outputs that the seed traced on Qwen3.5-MoE (values of
+# combine_weight_dtype, combine_acc_dtype, combine_order; jaxalign.align.aggregation measures them):
+AGGREGATION_PATHS = {
+    # transformers' eager experts loop: bf16 gate weights, each expert's output weighted in bf16 and index_add_-ed
+    # into a bf16 buffer, one expert at a time
+    "eager": (("combine_weight_dtype", "bf16"), ("combine_acc_dtype", "bf16"), ("combine_order", "expert")),
+    # transformers' grouped_mm path: the same bf16 products summed over the top-k slots in float32, cast once
+    "grouped": (("combine_weight_dtype", "bf16"), ("combine_acc_dtype", "f32"), ("combine_order", "slot")),
+    # float32 gate weights and products, summed in float32, cast once
+    "f32": (("combine_weight_dtype", "f32"), ("combine_acc_dtype", "f32"), ("combine_order", "slot")),
+}
+
+
+def with_aggregation(policy: NumericPolicy, path: str) -> NumericPolicy:
+    """`policy` with its combine fields set to the aggregation path `path` (a key of AGGREGATION_PATHS)."""
+    if path not in AGGREGATION_PATHS:
+        raise ValueError(f"aggregation path {path!r}; allowed: {', '.join(AGGREGATION_PATHS)}")
+    return policy.replace(**dict(AGGREGATION_PATHS[path]))
+
+
 def combine(y: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int,
             policy: NumericPolicy) -> jax.Array:
     """Weighted sum of the k expert outputs per token: y [N, k, H], idx/weights [N, k] -> [N, H] (compute dtype).
