@@ -2,7 +2,8 @@
 
 fp32: sharded forward, backward and generate agree with one device within float32 tolerance. aligned-bf16
 (cross_device=ordered): bitwise, for tensor-, expert-, data- and FSDP-parallel meshes, and a short RL run on
-`data=2,expert=2,tensor=2` gives the same metrics as one device. Every parameter is sharded as the rules say.
+`data=2,expert=2,tensor=2` gives the same metrics as one device; the gated DeltaNet hybrid's engine and trainer
+are bitwise on meshes too. Every parameter is sharded as the rules say.
 """
 
 import functools
@@ -246,6 +247,27 @@ def test_glm5_latent_cache_is_split_over_the_batch_and_generation_is_bitwise():
     np.testing.assert_array_equal(sharded.routing.indices, one.routing.indices)
     np.testing.assert_array_equal(sharded.routing.index_positions, one.routing.index_positions)
     assert (one.routing.index_positions >= 0).any()  # the indexer selected keys (not an all -1 record)
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("spec,schedule,prefill_chunk", [("data=4,tensor=2", "continuous", None),
+                                                          ("fsdp=2,expert=2,tensor=2", "static", 4)])
+def test_hybrid_generation_and_scoring_are_bitwise_on_a_mesh(spec, schedule, prefill_chunk):
+    """tiny-qwen3.5 (gated DeltaNet + gated attention) under aligned-bf16: the sharded engine -- continuous
+    batching over 4 slots for 8 prompts (states reset on refill), or a static batch prefilled in chunks of 4
+    (states carried across chunks) -- generates the one-device tokens, logprobs and experts, and the sharded
+    trainer scores them to the engine's bits."""
+    hybrid = build_model("tiny-qwen3.5")
+    cfg, mesh = hybrid.config, make_mesh(spec)
+    kw = dict(max_new_tokens=8, temperature=1.0, seed=5, schedule=schedule, batch_size=4 if schedule == "continuous"
+              else 8, prefill_chunk=prefill_chunk)
+    one = generate(hybrid, _prompts(cfg), ALIGNED, **kw)
+    sharded = generate(hybrid, _prompts(cfg), ALIGNED, mesh=mesh, **kw)
+    np.testing.assert_array_equal(sharded.tokens, one.tokens)
+    np.testing.assert_array_equal(sharded.logprobs, one.logprobs)
+    np.testing.assert_array_equal(sharded.routing.indices, one.routing.indices)
+    scored = np.asarray(token_logprobs(hybrid, one.tokens, ALIGNED, mesh=mesh)[0])
+    np.testing.assert_array_equal(np.where(one.mask, scored, 0.0), np.where(one.mask, one.logprobs, 0.0))
 
 
 @pytest.mark.bitwise
