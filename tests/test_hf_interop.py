@@ -599,6 +599,71 @@ def test_qwen3_5_moe_vision_language_checkpoint_loads_its_text_tower(tmp_path):
         hf.save(ours, str(tmp_path / "out"))
 
 
+# Qwen3-Next: the Qwen3.5 hybrid with the DeltaNet's projections fused per key head (in_proj_qkvz, in_proj_ba) and
+# norm_topk_prob a field. Held out: 3 value heads per key head (the fused layout's grouping is visible), top-3
+# weights not renormalised, the full-attention layer third, a wider shared expert.
+QWEN3_NEXT = dict(QWEN35_TEXT, linear_num_value_heads=6, num_experts_per_tok=3, norm_topk_prob=False,
+                  shared_expert_intermediate_size=24,
+                  layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    from transformers.models.qwen3_next import configuration_qwen3_next as c
+    torch.manual_seed(0)
+    model = _perturbed(transformers.AutoModelForCausalLM.from_config(c.Qwen3NextConfig(**QWEN3_NEXT)))
+    return model, _save(model, tmp_path_factory.mktemp("qwen3_next"))
+
+
+def test_qwen3_next_fp32_parity_both_forms_and_cached_decode(qwen3_next):
+    """150 tokens (three of transformers' 64-token chunks): our chunked and recurrent forms within 1e-4 of its
+    logits; its cached step-by-step decode within 1e-4 of our teacher-forced logits."""
+    model, path = qwen3_next
+    ours = hf.load(path)
+    assert ours.config.family == "qwen3_next" and not ours.config.norm_topk_prob
+    assert ours.config.layer_kinds == ("gated_deltanet", "gated_deltanet", "gqa", "gated_deltanet")
+    tokens = _tokens(2, 150, seed=11)
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens), use_cache=False).logits.float().numpy()
+    assert np.abs(ref).max() > 0.5
+    for form in ("chunked:64", "recurrent"):
+        assert np.abs(np.asarray(forward_logits(ours, tokens, FP32.replace(delta_rule=form))[0]) - ref).max() <= 1e-4
+    short = tokens[:, :24]
+    steps = _hf_cached_decode(model, short)
+    assert np.abs(steps - np.asarray(forward_logits(ours, short, FP32)[0])[:, 7:-1]).max() <= 1e-4
+
+
+def test_qwen3_next_export_fuses_back_and_bad_fused_tensors_are_refused(qwen3_next, tmp_path):
+    """hf.save writes the fused layout transformers loads (same logits, bitwise the tensors it saved); mtp.*
+    tensors are left out with a warning; a fused projection of the wrong shape, or a missing one, is refused."""
+    from safetensors.numpy import load_file, save_file
+    model, path = qwen3_next
+    ours = hf.load(path)
+    out = str(tmp_path / "export")
+    hf.save(ours, out)
+    theirs = load_file(os.path.join(path, "model.safetensors"))
+    written = load_file(os.path.join(out, "model.safetensors"))
+    assert set(written) == set(theirs)
+    for name in theirs:
+        np.testing.assert_array_equal(written[name], theirs[name].astype(np.float32), err_msg=name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(loaded).__name__ == "Qwen3NextForCausalLM"
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    save_file({**theirs, "mtp.fc.weight": np.zeros((4, 4), np.float32)}, str(bad / "model.safetensors"))
+    with pytest.warns(UserWarning, match=r"1 checkpoint tensors not loaded: the multi-token-prediction layers"):
+        hf.load(str(bad))
+    save_file({**theirs, name: theirs[name][:-1]}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"in_proj_qkvz.weight has shape \(159, 32\); expected \(160, d_model\)"):
+        hf.load(str(bad))
+    save_file({k: v for k, v in theirs.items() if k != name}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="checkpoint has no tensor model.layers.0.linear_attn.in_proj_qkvz.weight"):
+        hf.load(str(bad))
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(attention_bias=True), r"attention_bias = True is not supported for qwen3_5_moe; supported: False"),
     (dict(mtp_num_hidden_layers=1), r"mtp_num_hidden_layers = 1 \(multi-token prediction layers\) is not supported"),

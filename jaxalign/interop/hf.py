@@ -3,7 +3,8 @@
 Each family is a module in `interop/families/` (config mapping, refused fields, MoE weight names); a layer's
 mixer weights are named by its layer kind (`model/kinds/`). Supported `model_type`s: qwen3_moe, qwen2_moe,
 mixtral, olmoe, glm4_moe, deepseek_v3 (multi-head latent attention), glm_moe_dsa (GLM-5: MLA with the DeepSeek sparse attention indexer), qwen3_5_moe_text and the text
-tower of qwen3_5_moe (Qwen3.5: gated DeltaNet layers beside gated attention). Weights are read with safetensors'
+tower of qwen3_5_moe (Qwen3.5: gated DeltaNet layers beside gated attention), qwen3_next (the same hybrid, its
+DeltaNet projections fused per key head: a family's `tensors_in` / `tensors_out` convert layouts). Weights are read with safetensors'
 numpy API (bf16 through ml_dtypes), from one file or a sharded index, in either expert layout: per expert
 (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's `w1/w3/w2`) or fused (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]). `save` writes config.json + model.safetensors in transformers' per-expert layout.
@@ -125,8 +126,9 @@ def _mlp(t: _Tensors, prefix: str, d: int, hidden: int) -> dict:
 
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     """Map transformers tensor names to jaxalign's parameter tree; every tensor must be used."""
-    t = _Tensors(tensors)
     d, family = cfg.d_model, _family_of(cfg)
+    tensors = family.tensors_in(tensors, cfg)
+    t = _Tensors(tensors)
     top = family.tensor_prefix
     blocks = {}
     for i in range(cfg.n_layers):
@@ -216,7 +218,7 @@ def tensors_to_hf(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
                 out[f"{moe}{shared}{name}_proj.weight"] = m["shared"][name]["w"].T
         if cfg.shared_expert_gate:
             out[moe + "shared_expert_gate.weight"] = m["shared_gate"]["w"].T
-    return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
+    return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in family.tensors_out(out, cfg).items()}
 
 
 def save(model: Transformer, path: str, dtype=np.float32) -> None:

@@ -13,6 +13,7 @@ from jaxalign.interop.families.olmoe import Olmoe
 from jaxalign.interop.families.qwen2_moe import Qwen2Moe
 from jaxalign.interop.families.qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeText
 from jaxalign.interop.families.qwen3_moe import Qwen3Moe
+from jaxalign.interop.families.qwen3_next import Qwen3Next
 
 _FAMILIES: dict[str, Family] = {}
 
@@ -41,5 +42,5 @@ def get(model_type: str) -> Family:
 
 
 for _family in (Qwen3Moe(), Qwen2Moe(), Mixtral(), Olmoe(), Glm4Moe(), DeepseekV3(), GlmMoeDsa(), Qwen3_5MoeText(),
-                Qwen3_5Moe()):
+                Qwen3_5Moe(), Qwen3Next()):
     register(_family)

@@ -44,6 +44,15 @@ class Family:
     # NumericPolicy overrides (on hf-eager-bf16 / hf-grouped-bf16) that emulate its bf16 forward
     emulation: str = ""
 
+    def tensors_in(self, tensors: dict, cfg: ModelConfig) -> dict:
+        """The checkpoint's tensors in the layout the layer kinds read (e.g. fused projections split); by default
+        as they are."""
+        return tensors
+
+    def tensors_out(self, tensors: dict, cfg: ModelConfig) -> dict:
+        """The inverse of `tensors_in`: the layer kinds' tensors in this family's checkpoint layout."""
+        return tensors
+
     def ignores(self, name: str) -> bool:
         """Whether `load` may leave the checkpoint tensor `name` unused (e.g. a vision tower the text model does
         not run; say so in `refuse` or the docs). By default every tensor must be used."""
