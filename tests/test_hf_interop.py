@@ -577,6 +577,23 @@ def test_qwen3_5_moe_cached_decode_and_export_round_trip(qwen35, tmp_path):
     np.testing.assert_array_equal(np.asarray(forward_logits(hf.load(out), tokens, FP32)[0]), logits)
 
 
+@pytest.mark.bitwise
+def test_qwen3_5_moe_checkpoint_aligned_engine_is_bitwise_and_the_stack_pair_has_a_gap(qwen35):
+    """The held-out checkpoint as loaded: under aligned-bf16 the engine's logprobs are the trainer's bitwise for 6
+    prompts, static (batch 4) and continuous (4 slots, two refills); train-bf16 (chunked delta rule) against
+    serve-bf16 (recurrent) has a gap."""
+    from jaxalign.align.compare import compare
+    ours = hf.load(qwen35[1])
+    aligned = ja.NumericPolicy.preset("aligned-bf16")
+    for schedule in ("static", "continuous"):
+        run = compare(ours, aligned, aligned, n_prompts=6, max_new_tokens=12, engine_batches=(4,),
+                      schedule=schedule)["runs"][0]
+        assert run["bitwise_equal_fraction"] == 1.0 and run["k3_kl"] == 0.0 and run["n_tokens"] == 6 * 12, schedule
+    gap = compare(ours, ja.NumericPolicy.preset("train-bf16"), ja.NumericPolicy.preset("serve-bf16"), n_prompts=6,
+                  max_new_tokens=12, engine_batches=(4,))["runs"][0]
+    assert gap["k3_kl"] > 0 and gap["max_abs_logp_diff"] > 0
+
+
 def test_qwen3_5_moe_vision_language_checkpoint_loads_its_text_tower(tmp_path):
     """A `qwen3_5_moe` (vision-language) checkpoint: the text tower under model.language_model loads, the vision
     tower is left out with a warning that says so, and the logits are transformers' on text."""
