@@ -10,7 +10,8 @@ counts printed. Sides: the jaxalign engine under each `--policy` (default `fp32,
 be taken for padding. The first call (compilation) is timed apart; then `--repeats` rounds, each timing every
 side once in rotating order; a side's figure is its best round. KV-cache bytes are measured on each side: the
 arrays the jaxalign engine allocates (its own allocation function, evaluated for shape) and the tensors of the
-cache transformers returns.
+cache transformers returns (keys and values; a linear-attention layer's conv and recurrent states). `--model
+tiny-qwen3.5` measures the gated DeltaNet hybrid (`run_all.py`'s `decode_qwen35`).
 
 Greedy agreement: where a jaxalign sequence and a transformers sequence first differ, the fp32 logit gap
 between the two tokens chosen is read from a teacher-forced jaxalign forward; gaps at the level of fp32

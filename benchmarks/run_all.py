@@ -20,12 +20,17 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-SCRIPTS = ["decode", "train_step", "alignment_cost", "op_profile", "op_profile_decode64", "tile_kernel", "tile_layout",
+SCRIPTS = ["decode", "decode_qwen35", "train_step", "alignment_cost", "op_profile", "op_profile_decode64", "tile_kernel", "tile_layout",
            "compile_cost", "gap_table", "mesh_gap"]
 # a benchmark that is a script run with other arguments: name -> (script, arguments)
 VARIANTS = {"op_profile_decode64": ("op_profile", ["--policies", "fp32,dispatch=bucketed;fp32", "--batch", "64",
-                                                   "--out", "benchmarks/results/op_profile_decode64.json"])}
-TIMED = ("decode", "train_step")  # jaxalign vs transformers: take --threads
+                                                   "--out", "benchmarks/results/op_profile_decode64.json"]),
+            # the gated DeltaNet hybrid: the engine's recurrent decode against transformers' (same weights)
+            "decode_qwen35": ("decode", ["--model", "tiny-qwen3.5", "--batches", "1,8,64", "--new-tokens", "32",
+                                         "--policy", "fp32,delta=recurrent,dispatch=bucketed",
+                                         "--policy", "fp32,delta=recurrent",
+                                         "--out", "benchmarks/results/decode_qwen35.json"])}
+TIMED = ("decode", "decode_qwen35", "train_step")  # jaxalign vs transformers: take --threads
 
 
 def _result(name: str) -> dict:
@@ -107,6 +112,7 @@ def _suite_time(record: dict) -> str:
 
 # marker name -> (result file, renderer)
 BLOCKS = {"alignment_cost": ("alignment_cost", _alignment_cost), "decode": ("decode", _decode),
+          "decode_qwen35": ("decode_qwen35", _decode),
           "train_step": ("train_step", _train_step), "op_profile": ("op_profile", _op_profile),
           "gap_table": ("gap_table", _gap_table), "suite_time": ("suite_time", _suite_time),
           "mesh_compare": ("mesh_gap", _mesh_compare), "mesh_forward": ("mesh_gap", _mesh_forward)}
