@@ -61,6 +61,19 @@ def test_the_grid_verdict_follows_the_data_and_is_rebuilt_from_the_files_alone(t
     assert (out / "staleness_split.png").exists() and "## Verdict" in (out / "staleness.md").read_text()
 
 
+def test_two_significant_effects_are_both_named_and_neither_is_said_to_dominate():
+    """At a lag where staleness (aligned at lag k vs lag 0) and an engine's numerics (that engine vs aligned, both
+    at lag k) each move final reward significantly, they measure different things: the verdict names both."""
+    def effect(difference, p):
+        return {"difference": difference, "p": p, "seeds": 6, "detectable": 0.05}
+    engine = {**effect(-0.08, 0.04), "numerics_k3": 3e-3, "staleness_k3": 0.5, "numerics_share": 0.2,
+              "numerics_k3_median": 2e-3, "staleness_k3_median": 0.05}
+    (line,) = grid.grid_verdict([{"lag": 4, "lag_effect": effect(-0.07, 0.002), "staleness_k3": 0.05,
+                                  "engines": {"serve-fp8": engine}}])
+    assert line.endswith("So: both change learning: the engine's numerics (serve-fp8) and staleness.")
+    assert "dominates" not in line and "median staleness k3 25.0x the numerics k3" in line
+
+
 def test_grid_arms_vary_only_the_engine_and_the_lag():
     arms = ExperimentConfig(arms=grid.StalenessConfig().arms()).arms
     assert arms[0].name == grid.BASELINE and len(arms) == 12

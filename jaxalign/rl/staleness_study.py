@@ -184,8 +184,10 @@ def grid_verdict(effects: list[dict]) -> list[str]:
         effects = [x for x in e["engines"].values()] + ([e["lag_effect"]] if e["lag_effect"] else [])
         if all(x["seeds"] < 2 for x in effects):
             winner = "with one seed per arm, which gap changes learning cannot be tested yet"
+        elif len(candidates) > 1:  # two significant effects measure different things: name both, rank neither
+            winner = "both change learning: " + " and ".join(name for _, name in sorted(candidates, reverse=True))
         else:
-            winner = (f"{max(candidates)[1]} dominates learning" if candidates else
+            winner = (f"{candidates[0][1]} dominates learning" if candidates else
                       "neither gap changes learning detectably at these seeds")
         lines.append(f"Lag {e['lag']}: " + "; ".join(parts) + f". So: {winner}.")
     return lines
