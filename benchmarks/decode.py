@@ -102,7 +102,8 @@ def hf_side(spec: str) -> None:
         first_s, out = timed(run)
         cache = out.cache  # keys/values per attention layer; conv and recurrent states per linear-attention one
         kv_bytes = sum(_tensor_bytes(vars(layer)) for layer in cache.layers)
-        slots = [layer.keys.shape[-2] for layer in cache.layers if isinstance(getattr(layer, "keys", None), torch.Tensor)]
+        slots = [layer.keys.shape[-2] for layer in cache.layers
+                 if isinstance(getattr(layer, "keys", None), torch.Tensor)]
         return {"first_call_s": first_s, "tokens": out.sequences.tolist(), "kv_cache_bytes": kv_bytes,
                 "cache_slots": int(slots[0]) if slots else 0, "peak_rss_mib": peak_rss_mib()}
 

@@ -20,8 +20,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-SCRIPTS = ["decode", "decode_qwen35", "train_step", "alignment_cost", "op_profile", "op_profile_decode64", "tile_kernel", "tile_layout",
-           "compile_cost", "gap_table", "mesh_gap"]
+SCRIPTS = ["decode", "decode_qwen35", "train_step", "alignment_cost", "op_profile", "op_profile_decode64",
+           "tile_kernel", "tile_layout", "compile_cost", "gap_table", "mesh_gap"]
 # a benchmark that is a script run with other arguments: name -> (script, arguments)
 VARIANTS = {"op_profile_decode64": ("op_profile", ["--policies", "fp32,dispatch=bucketed;fp32", "--batch", "64",
                                                    "--out", "benchmarks/results/op_profile_decode64.json"]),

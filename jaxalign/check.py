@@ -14,8 +14,9 @@ Three parts, each against a threshold, one pass/fail verdict:
    through experts the engine never used (R3 measured ~10% flips on Qwen3-30B-A3B, and MoE GRPO runs that
    collapsed). Router replay (`replay="r3"`) is how a non-aligned pair passes that part.
 Beside them, reported without a threshold: each probed kernel's trainer-engine gap on the same rows (a chunked
-delta rule against a recurrent one, chunked attention against full). The report also names the implementation each kernel ran with on this backend (`numerics.kernels`: lax tiled
-on the CPU, the Pallas kernels for `tiled:T` on a GPU/TPU), as recorded while the programs were traced.
+delta rule against a recurrent one, chunked attention against full). The report also names the implementation
+each kernel ran with on this backend (`numerics.kernels`: lax tiled on the CPU, the Pallas kernels for `tiled:T`
+on a GPU/TPU), as recorded while the programs were traced.
 """
 
 from __future__ import annotations

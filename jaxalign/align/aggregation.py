@@ -79,7 +79,7 @@ def aggregation_gap(model_config: ModelConfig, base: NumericPolicy, *, top_ks=(2
             gap = mismatch_metrics(lp_a, lp_b, mask)
             rows.append({"top_k": k, "trainer_path": a, "engine_path": b, "k3_kl": gap["k3_kl"],
                          "max_abs_logp_diff": gap["max_abs_logp_diff"],
-                         "bitwise_equal_fraction": float(np.mean((lp_a == lp_b)[mask])),
+                         "bitwise_equal_fraction": gap["bitwise_equal_fraction"],
                          "route_flip_rate": routing_metrics(idx_b, idx_a)["route_flip_rate"],
                          "n_tokens": int(mask.sum())})
         if k in localize_top_ks:
@@ -96,4 +96,3 @@ def aggregation_gap(model_config: ModelConfig, base: NumericPolicy, *, top_ks=(2
             "path_fields": {name: dict(fields) for name, fields in AGGREGATION_PATHS.items()},
             "top_ks": list(top_ks), "prompts": n_prompts, "max_new_tokens": max_new_tokens, "seed": seed,
             "model_seed": model_seed, "rows": rows, "localize": localized}
-

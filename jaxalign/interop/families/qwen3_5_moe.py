@@ -18,6 +18,9 @@ class Qwen3_5MoeText(Family):
     architecture = "Qwen3_5MoeForCausalLM"
     layer_types = {"linear_attention": "gated_deltanet", "full_attention": "gqa"}
     qk_norm = "head"
+    # Qwen3.5 always renormalises its top-k weights (no config field); a family that reads `norm_topk_prob` from
+    # config.json sets this False
+    always_renormalises = True
 
     def refuse(self, hf: dict) -> None:
         super().refuse(hf)
@@ -38,22 +41,26 @@ class Qwen3_5MoeText(Family):
         return kinds
 
     def config_fields(self, hf: dict, common: dict) -> dict:
+        renormalise = True if self.always_renormalises else bool(hf.get("norm_topk_prob", True))
         return dict(common, n_experts=get(hf, "num_experts"), expert_dim=hf["moe_intermediate_size"],
-                    norm_topk_prob=True, qk_norm="head", shared_expert_dim=hf["shared_expert_intermediate_size"],
+                    norm_topk_prob=renormalise, qk_norm="head", shared_expert_dim=hf["shared_expert_intermediate_size"],
                     shared_expert_gate=True, attn_output_gate=True, norm_zero_centred=True,
                     dense_mlp_dim=hf.get("intermediate_size") or hf["moe_intermediate_size"])
 
     def check_export(self, cfg) -> None:
         super().check_export(cfg)
-        if not (cfg.attn_output_gate and cfg.norm_zero_centred and cfg.shared_expert_gate and cfg.norm_topk_prob
-                and cfg.first_k_dense == 0 and not cfg.qkv_bias):
-            raise ValueError(f"config does not fit {self.model_type}: it needs attn_output_gate, norm_zero_centred, "
-                             f"shared_expert_gate and norm_topk_prob set, no dense layers and no q/k/v biases")
+        if not (cfg.attn_output_gate and cfg.norm_zero_centred and cfg.shared_expert_gate
+                and (cfg.norm_topk_prob or not self.always_renormalises) and cfg.first_k_dense == 0
+                and not cfg.qkv_bias):
+            needs = ("attn_output_gate, norm_zero_centred, shared_expert_gate and norm_topk_prob"
+                     if self.always_renormalises else "attn_output_gate, norm_zero_centred and shared_expert_gate")
+            raise ValueError(f"config does not fit {self.model_type}: it needs {needs} set, no dense layers and no "
+                             f"q/k/v biases")
 
     def export_fields(self, cfg, out: dict) -> None:
         out.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.expert_dim, attention_bias=False,
                    shared_expert_intermediate_size=cfg.shared_expert_dim)
-        for name in ("intermediate_size", "norm_topk_prob"):
+        for name in ("intermediate_size",) + (("norm_topk_prob",) if self.always_renormalises else ()):
             out.pop(name, None)
         if cfg.layer_types is None:  # every layer full attention
             out["layer_types"] = ["full_attention"] * cfg.n_layers

@@ -39,19 +39,11 @@ class Qwen3Next(Qwen3_5MoeText):
     def ignored_note(self) -> str:
         return "the multi-token-prediction layers (mtp.*) are not loaded, as transformers does not load them"
 
-    def config_fields(self, hf: dict, common: dict) -> dict:
-        return dict(super().config_fields(hf, common), norm_topk_prob=bool(hf.get("norm_topk_prob", True)))
-
-    def check_export(self, cfg) -> None:
-        if not (cfg.attn_output_gate and cfg.norm_zero_centred and cfg.shared_expert_gate and cfg.first_k_dense == 0
-                and not cfg.qkv_bias):
-            raise ValueError(f"config does not fit {self.model_type}: it needs attn_output_gate, norm_zero_centred "
-                             f"and shared_expert_gate set, no dense layers and no q/k/v biases")
-        super(Qwen3_5MoeText, self).check_export(cfg)
+    always_renormalises = False  # norm_topk_prob is a config field
 
     def export_fields(self, cfg, out: dict) -> None:
         super().export_fields(cfg, out)
-        out.update(norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+        out.update(decoder_sparse_step=1, mlp_only_layers=[])
 
     def tensors_in(self, tensors: dict, cfg) -> dict:
         tensors = dict(tensors)
@@ -88,5 +80,6 @@ class Qwen3Next(Qwen3_5MoeText):
                        qkv[2 * hk * dk:].reshape(hk, r * dv, d))
             tensors[p + "in_proj_qkvz.weight"] = np.concatenate([q, k, v, z.reshape(hk, r * dv, d)], 1).reshape(-1, d)
             b, a = tensors.pop(p + "in_proj_b.weight"), tensors.pop(p + "in_proj_a.weight")
-            tensors[p + "in_proj_ba.weight"] = np.concatenate([b.reshape(hk, r, d), a.reshape(hk, r, d)], 1).reshape(-1, d)
+            fused_ba = np.concatenate([b.reshape(hk, r, d), a.reshape(hk, r, d)], 1)
+            tensors[p + "in_proj_ba.weight"] = fused_ba.reshape(-1, d)
         return tensors
