@@ -79,6 +79,9 @@ LONGEST_FIRST = (
 # 109 s beside its twin instead of ~40 after it).
 SHARED_PROGRAMS = {
     "glm5 engine and scoring programs": ("tests/test_check.py", "tests/test_index_replay.py", "tests/test_mla.py"),
+    # notebooks 02 and 04 make tests/test_alignment.py's and tests/test_aggregation.py's calls: their kernels load
+    # those programs from the run's cache
+    "the notebooks' programs": ("tests/test_aggregation.py", "tests/test_alignment.py", "tests/test_notebooks.py"),
 }
 _FILE_GROUP = {path: name for name, paths in SHARED_PROGRAMS.items() for path in paths}
 # ... and long tests that do: both begin with the one-device RL run of tests/rl_settings.py (`one_device_rows`).
@@ -124,22 +127,34 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _leave_out_leg_repeats(config, items):
-    """In an ISA leg, deselect the cases tests/isa.py LEG_REPEATS lists, after checking the list against the
-    collection: the whole suite's entries where the whole suite is collected (as a leg does), the multidevice
-    suite's where that suite is (its own process, which a leg starts)."""
-    from isa import LEG_REPEATS, MULTIDEVICE, leg_repeat_errors
+    """In an ISA leg, deselect the cases tests/isa.py LEG_REPEATS lists and, in a core leg (JAXALIGN_ISA_LEGS unset
+    or `core`), those FULL_MATRIX_ONLY and CORE_LEG_LEAVES leave to the full matrix, after checking the lists
+    against the collection: the whole suite's entries where the whole suite is collected (as a leg does), the
+    multidevice suite's where that suite is (its own process, which a full leg starts)."""
+    from isa import LEG_REPEATS, MULTIDEVICE, core_scope_errors, full_matrix_only, leg_repeat_errors, leg_scope
+    try:
+        core = leg_scope() == "core"
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
     ids = {item.nodeid for item in items}
     whole = any(nodeid.startswith("tests/test_isa_matrix.py::") for nodeid in ids)
     multidevice = any(nodeid.startswith(MULTIDEVICE) for nodeid in ids)
     if whole or multidevice:  # the whole suite, or the multidevice suite in its own process
         bitwise = {item.nodeid for item in items if item.get_closest_marker("bitwise")}
         errors = leg_repeat_errors(bitwise, ids, multidevice=multidevice and not whole)
+        if whole:
+            errors += core_scope_errors(bitwise)
         if errors:
-            raise pytest.UsageError("tests/isa.py LEG_REPEATS: " + "; ".join(errors))
-    dropped = [item for item in items if item.nodeid in LEG_REPEATS]
+            raise pytest.UsageError("tests/isa.py LEG_REPEATS / FULL_MATRIX_ONLY: " + "; ".join(errors))
+
+    leg = os.environ.get("JAXALIGN_ISA_LEG")
+
+    def left_out(nodeid):
+        return nodeid in LEG_REPEATS or (core and full_matrix_only(nodeid, leg))
+    dropped = [item for item in items if left_out(item.nodeid)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if item.nodeid not in LEG_REPEATS]
+        items[:] = [item for item in items if not left_out(item.nodeid)]
 
 
 def _memory_map_count() -> int | None:

@@ -118,6 +118,90 @@ LEG_REPEATS = {
 }
 
 
+# Which bitwise tests a leg runs. The README's command (CI) runs the *core* of the matrix: every claim about a
+# numeric primitive or a knob, and one end-to-end engine == trainer case per kind of program, under each ISA. The
+# *full* matrix (`JAXALIGN_ISA_LEGS=full`, docs/testing.md) also re-runs the cases below, the end-to-end claims
+# that compile programs of their own (the multidevice suite alone is a quarter of a full leg). Both legs in full
+# took about 20 of the suite's 34 minutes on 2 cores (benchmarks/results/suite_time.json), beside the whole
+# native run of every bitwise test, so the full matrix is a command that is run before a change to numerics lands.
+LEG_SCOPE_ENV = "JAXALIGN_ISA_LEGS"
+LEG_SCOPES = ("core", "full")
+# node-id prefix -> (the core case that still checks its numerics under the leg's ISA, or None, and why); a core
+# leg also leaves out the cases CORE_LEG_LEAVES[leg] names
+FULL_MATRIX_ONLY = {
+    "tests/test_meshes.py::test_multidevice_suite_on_eight_fake_devices":
+        (None, "meshes: sharded programs against one device; the core keeps every one-device claim they rest on"),
+    "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[hybrid-static]":
+        ("tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[hybrid-continuous]",
+         "the hybrid's aligned engine at static batches 1/3/8: its continuous case runs the same delta rule"),
+    "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[hybrid-chunked-prefill]":
+        ("tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[static-batches2-4]",
+         "a chunked prefill: the core's chunked case on tiny, and the hybrid's continuous case"),
+    "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[fp8-chunked-prefill]":
+        ("tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[fp8-continuous]",
+         "aligned-fp8 chunked: the core's fp8 case runs the same block-scaled products"),
+    "tests/test_engine.py::test_aligned_request_is_invariant_to_batch_and_slot[aligned-fp8]":
+        ("tests/test_engine.py::test_aligned_request_is_invariant_to_batch_and_slot[aligned-bf16]",
+         "the engine's batch and slot invariance under aligned-fp8: the same schedules under aligned-bf16"),
+    "tests/test_fp8.py::test_aligned_fp8_engine_equals_trainer_on_every_family":
+        ("tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[fp8-continuous]",
+         "aligned-fp8 on MLA + DSA: the core's fp8 case on tiny"),
+    "tests/test_fp8.py::test_merged_lora_adapters_are_quantised_with_their_weight":
+        ("tests/test_knobs.py::test_knob_changes_numbers_and_restores[weight_quant=e4m3:16x16]",
+         "merged adapters quantised with their weight: the weight quantiser's knob case"),
+    "tests/test_index_replay.py::":
+        ("tests/test_knobs.py::test_knob_changes_numbers_and_restores[index_ties=torch-cpu]",
+         "the engine's index selections and R3w replay: the indexer's own knob cases"),
+    "tests/test_layer_seam.py::":
+        ("tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[hybrid-continuous]",
+         "pads and refilled slots on the hybrid: its continuous case (refills) in the core"),
+    "tests/test_lora.py::":
+        ("tests/test_knobs.py::test_knob_changes_numbers_and_restores[lora=unmerged]",
+         "adapters in the engine and the trainer: the LoRA knob case"),
+    "tests/test_pallas.py::test_aligned_bf16_on_a_simulated_gpu_runs_pallas_and_is_bitwise_between_trainer_and_engine":
+        ("tests/test_pallas.py::test_tiled_kernel_on_a_simulated_accelerator_runs_the_pallas_kernel_it_chose"
+         "[gpu-pallas:16x64x64]", "the Pallas kernels end to end: the kernel cases"),
+}
+
+# The knob cases (a field flipped changes the numbers) run in the SSE4_2 core leg only: a knob turns into a no-op
+# where an ISA lacks what the knob's arithmetic differs by -- FMA contraction, F16C (the index scores' float16 once
+# changed no selection under SSE4_2 alone) -- and AVX2 lacks nothing an AVX-512 host has but vector width
+CORE_LEG_LEAVES = {
+    "AVX2": {"tests/test_knobs.py::": (None, "knobs: the SSE4_2 core leg runs them (no FMA, no F16C)")},
+}
+
+
+def leg_scope(environ=None) -> str:
+    """The ISA legs' scope, `core` (the default) or `full`, from JAXALIGN_ISA_LEGS; anything else is refused."""
+    environ = os.environ if environ is None else environ
+    scope = environ.get(LEG_SCOPE_ENV, "") or "core"
+    if scope not in LEG_SCOPES:
+        raise ValueError(f"{LEG_SCOPE_ENV}={scope!r}: expected one of {', '.join(LEG_SCOPES)} (unset: core)")
+    return scope
+
+
+def full_matrix_only(nodeid: str, leg: str | None = None) -> bool:
+    """Whether a core leg (under the ISA `leg`, if given) leaves the case `nodeid` to the full matrix
+    (FULL_MATRIX_ONLY, and CORE_LEG_LEAVES[leg])."""
+    prefixes = list(FULL_MATRIX_ONLY) + list(CORE_LEG_LEAVES.get(leg, {}))
+    return any(nodeid.startswith(prefix) for prefix in prefixes)
+
+
+def core_scope_errors(bitwise_ids: set[str]) -> list[str]:
+    """What is wrong with FULL_MATRIX_ONLY, given the node ids the whole suite marks `bitwise`: a prefix that
+    matches no bitwise case, or a covering case that is not a bitwise case the core runs."""
+    errors = []
+    entries = [(prefix, cover, None) for prefix, (cover, _why) in FULL_MATRIX_ONLY.items()]
+    entries += [(prefix, cover, leg) for leg, leaves in CORE_LEG_LEAVES.items()
+                for prefix, (cover, _why) in leaves.items()]
+    for prefix, cover, leg in entries:
+        if not any(nodeid.startswith(prefix) for nodeid in bitwise_ids):
+            errors.append(f"{prefix!r} matches no bitwise test (renamed?)")
+        if cover is not None and (cover not in bitwise_ids or full_matrix_only(cover, leg) or cover in LEG_REPEATS):
+            errors.append(f"{prefix!r} is covered by {cover!r}, which is not a bitwise case a core leg runs")
+    return errors
+
+
 def leg_repeat_errors(bitwise_ids: set[str], all_ids: set[str], multidevice: bool = False) -> list[str]:
     """What is wrong with the LEG_REPEATS entries of one collection -- the whole suite, or with `multidevice`
     the multidevice suite's own -- given its node ids (all, and those marked `bitwise`)."""

@@ -11,10 +11,14 @@ makes under that ISA, and each names the case that still covers it (tests/confte
 leg collects the suite). All the run's processes share one persistent compilation cache (tests/conftest.py); its
 key hashes XLA_FLAGS, so a leg compiles its own executables (the last test here proves it).
 
-Inside a leg the multidevice suite (tests/test_meshes.py) runs only its `bitwise` cases, a representative mesh
-per claim, less its RL run on a mesh (a LEG_REPEATS entry: the leg's gradient, generation and logprob cases on
-that mesh, the optimizer's and the loss's order tests are its numerics); the two-process test does not run
-either: its numerics are the mesh RL run's, and what it adds (gloo, checkpoints) does not depend on the ISA.
+The README's command runs the *core* of each leg: every knob and primitive claim and one end-to-end case per
+kind of program; `JAXALIGN_ISA_LEGS=full` runs the full matrix, which adds the cases tests/isa.py
+FULL_MATRIX_ONLY lists (each with the core case that still checks its numerics), the multidevice suite among
+them. Inside a full leg the multidevice suite (tests/test_meshes.py) runs only its `bitwise` cases, a
+representative mesh per claim, less its RL run on a mesh (a LEG_REPEATS entry: the leg's gradient, generation and
+logprob cases on that mesh, the optimizer's and the loss's order tests are its numerics); the two-process test
+does not run in either: its numerics are the mesh RL run's, and what it adds (gloo, checkpoints) does not depend
+on the ISA.
 
 Each leg is one pytest process of its own (`-n 0`: no workers of its own), and one unit of the suite's two
 xdist workers, scheduled first (tests/conftest.py, LONGEST_FIRST)."""
@@ -27,7 +31,8 @@ import time
 
 import pytest
 
-from isa import ISA_FLAG, child_env, current_isa, leg_already_run
+from isa import (CORE_LEG_LEAVES, FULL_MATRIX_ONLY, ISA_FLAG, LEG_REPEATS, LEG_SCOPE_ENV, child_env,
+                 core_scope_errors, current_isa, full_matrix_only, leg_already_run, leg_scope)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEGS = ["AVX2", "SSE4_2"]
@@ -39,14 +44,15 @@ def test_bitwise_claims_hold_under_isa(isa):
     reason = leg_already_run(isa)
     if reason:
         pytest.skip(reason)
-    env = child_env(f"{ISA_FLAG}={isa}", JAXALIGN_ISA_LEG=isa)
+    scope = leg_scope()  # refused here, before a leg starts, if JAXALIGN_ISA_LEGS is not a scope
+    env = child_env(f"{ISA_FLAG}={isa}", JAXALIGN_ISA_LEG=isa, **{LEG_SCOPE_ENV: scope})
     env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if not f.startswith(ISA_FLAG + "=")
                                 or f == f"{ISA_FLAG}={isa}")
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "bitwise", "-p", "no:cacheprovider",
                            "--durations=5", os.path.join(ROOT, "tests")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=1800)
-    print(f"ISA leg {isa}: {time.perf_counter() - start:.0f} s\n{proc.stdout[-3000:]}")
+    print(f"ISA leg {isa} ({scope}): {time.perf_counter() - start:.0f} s\n{proc.stdout[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
 
@@ -58,6 +64,32 @@ def test_a_leg_is_skipped_only_where_it_would_repeat_the_run():
     assert leg_already_run("SSE4_2", "", zen3) is None
     assert "already capped" in leg_already_run("SSE4_2", "--xla_cpu_max_isa=SSE4_2", avx512)
     assert leg_already_run("AVX2", "--xla_cpu_max_isa=SSE4_2", zen3) is None  # capped below the CPU: not native
+
+
+def test_the_leg_scope_is_core_unless_full_is_asked_for_and_anything_else_is_refused():
+    assert leg_scope({}) == "core" and leg_scope({LEG_SCOPE_ENV: ""}) == "core"
+    assert leg_scope({LEG_SCOPE_ENV: "full"}) == "full"
+    for bad in ("all", "FULL", "off", "core,full"):
+        with pytest.raises(ValueError, match=f"{LEG_SCOPE_ENV}=.*expected one of core, full"):
+            leg_scope({LEG_SCOPE_ENV: bad})
+
+
+def test_the_core_scope_check_catches_a_stale_prefix_and_a_cover_the_core_does_not_run():
+    """conftest runs core_scope_errors on every leg's collection; here on made-up collections, so that a list
+    which no longer matches the suite cannot pass unnoticed."""
+    prefixes = list(FULL_MATRIX_ONLY) + [p for leaves in CORE_LEG_LEAVES.values() for p in leaves]
+    every = {prefix + ("x" if prefix.endswith("::") else "") for prefix in prefixes}
+    covers = {cover for cover, _ in FULL_MATRIX_ONLY.values() if cover}
+    assert core_scope_errors(every | covers) == []
+    stale = sorted(FULL_MATRIX_ONLY)[0]
+    assert any("matches no bitwise test" in e and stale in e for e in core_scope_errors((every - {stale + "x", stale})
+                                                                                        | covers))
+    cover = next(c for c, _ in FULL_MATRIX_ONLY.values() if c)
+    assert any("not a bitwise case a core leg runs" in e for e in core_scope_errors(every | covers - {cover}))
+    assert not set(covers) & set(LEG_REPEATS)
+    # the AVX2 core leg leaves the knobs to the SSE4_2 one; the SSE4_2 core leg keeps them
+    knob = "tests/test_knobs.py::test_knob_changes_numbers_and_restores[reduction=tree]"
+    assert full_matrix_only(knob, "AVX2") and not full_matrix_only(knob, "SSE4_2") and not full_matrix_only(knob)
 
 
 # A child that compiles one program (`jit_probe`, a reduction whose code XLA:CPU vectorises by the ISA) with the
