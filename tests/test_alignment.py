@@ -39,9 +39,11 @@ def test_aligned_is_bitwise_for_every_batch_and_schedule(policy_name, preset, sc
 
 
 def test_misaligned_pair_has_a_gap_and_route_flips():
+    """Notebook 02's first comparison, with its settings: the notebook loads these programs from the run's cache
+    (tests/conftest.py SHARED_PROGRAMS runs this file before the notebooks on one worker)."""
     model = build_model("small")
     result = compare(model, NumericPolicy.preset("train-bf16"), NumericPolicy.preset("serve-bf16"),
-                     n_prompts=32, max_new_tokens=24, engine_batches=(8,), seed=0)
+                     n_prompts=48, max_new_tokens=48, engine_batches=(8,), seed=0)
     run = result["runs"][0]
     assert run["k3_kl"] > 0 and run["route_flip_rate"] > 0 and run["max_abs_logp_diff"] > 0
 
