@@ -118,12 +118,13 @@ LEG_REPEATS = {
 }
 
 
-# Which bitwise tests a leg runs. The README's command (CI) runs the *core* of the matrix: every claim about a
-# numeric primitive or a knob, and one end-to-end engine == trainer case per kind of program, under each ISA. The
-# *full* matrix (`JAXALIGN_ISA_LEGS=full`, docs/testing.md) also re-runs the cases below, the end-to-end claims
-# that compile programs of their own (the multidevice suite alone is a quarter of a full leg). Both legs in full
-# took about 20 of the suite's 34 minutes on 2 cores (benchmarks/results/suite_time.json), beside the whole
-# native run of every bitwise test, so the full matrix is a command that is run before a change to numerics lands.
+# Which bitwise tests a leg runs. The README's command (CI) runs the *core* of the matrix under each ISA: every
+# claim about a numeric primitive, one end-to-end engine == trainer case per kind of program, and (under SSE4_2,
+# CORE_LEG_LEAVES) every knob. The *full* matrix (`JAXALIGN_ISA_LEGS=full`, docs/testing.md) also re-runs the cases
+# below, end-to-end claims that compile programs of their own (the multidevice suite alone is a quarter of a full
+# leg). The two full legs were 1,225 of the suite's 4,002 worker-seconds on 2 cores (the suite's budget is 2,400),
+# beside the native run of every bitwise case, so the full matrix is a command, run before a change to numerics
+# lands.
 LEG_SCOPE_ENV = "JAXALIGN_ISA_LEGS"
 LEG_SCOPES = ("core", "full")
 # node-id prefix -> (the core case that still checks its numerics under the leg's ISA, or None, and why); a core
