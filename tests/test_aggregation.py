@@ -19,19 +19,18 @@ NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
                         "04_qwen35_aggregation.ipynb")
 # Notebook 04's own call, so that the notebook (tests/test_notebooks.py, run after this file on the same worker:
 # tests/conftest.py SHARED_PROGRAMS) loads every program from the run's compilation cache instead of compiling it
-CALL = "top_ks=(2, 4), n_prompts=8, max_new_tokens=16"
+STUDY = dict(top_ks=(2, 4), n_prompts=8, max_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
 def study():
-    return aggregation_gap(ja.ModelConfig.preset("tiny-qwen3.5"), GROUPED, top_ks=(2, 4), n_prompts=8,
-                           max_new_tokens=16)
+    return aggregation_gap(ja.ModelConfig.preset("tiny-qwen3.5"), GROUPED, **STUDY)
 
 
 def test_notebook_04_makes_the_call_these_tests_check():
     sources = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
     assert any("aggregation_gap(ja.ModelConfig.preset('tiny-qwen3.5'), ja.NumericPolicy.preset('hf-grouped-bf16')"
-               in s and CALL in s for s in sources)
+               in s and ", ".join(f"{k}={v!r}" for k, v in STUDY.items()) in s for s in sources)
 
 
 def _pair(study, k, a, b):
