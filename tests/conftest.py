@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import shutil
 import tempfile
+
+# Tracing and lowering a JAX program makes many short-lived Python objects: at CPython's default collection
+# thresholds (700, 10, 10) tests/test_mla.py alone ran ~3,000 collections, 2.9 of its 89 s on one core (0.5 s at
+# these). Only when garbage is collected changes; every process that loads this file (the workers, the ISA legs, the
+# multidevice suite) takes them.
+gc.set_threshold(50_000, 20, 20)
 
 # One persistent compilation cache per pytest run, shared by every process the run starts (xdist workers, the ISA
 # legs, the multidevice suite, CLI and notebook subprocesses): most of the suite's time is XLA compiling the same
@@ -69,7 +76,7 @@ LONGEST_FIRST = (
     "tests/test_notebooks.py::test_notebook_executes[01_where_mismatch_arises.ipynb]",
     "tests/test_cli.py::test_demo_quick_runs",
     "tests/test_rl_trainer.py::test_sigkill_after_a_checkpoint_then_rerun_gives_the_uninterrupted_metrics_bitwise",
-    "tests/test_lora.py::test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy[tiny-glm5]",
+    "tests/test_lora.py::test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy[tiny-glm5-kv_b_proj]",
 )
 
 
@@ -122,20 +129,19 @@ def pytest_collection_modifyitems(config, items):
         group = _LONG_GROUP.get(item.nodeid, item.nodeid) if long else _FILE_GROUP.get(path, path)
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=rank)  # stable: files keep their order
+    marks = full_matrix_errors(items)
     if os.environ.get("JAXALIGN_ISA_LEG"):
         _leave_out_leg_repeats(config, items)
+    _leave_out_full_matrix_cases(config, items, marks)
 
 
 def _leave_out_leg_repeats(config, items):
-    """In an ISA leg, deselect the cases tests/isa.py LEG_REPEATS lists and, in a core leg (JAXALIGN_ISA_LEGS unset
+    """In an ISA leg, deselect the cases tests/isa.py LEG_REPEATS lists and, in a core leg (JAXALIGN_MATRIX unset
     or `core`), those FULL_MATRIX_ONLY and CORE_LEG_LEAVES leave to the full matrix, after checking the lists
     against the collection: the whole suite's entries where the whole suite is collected (as a leg does), the
     multidevice suite's where that suite is (its own process, which a full leg starts)."""
-    from isa import LEG_REPEATS, MULTIDEVICE, core_scope_errors, full_matrix_only, leg_repeat_errors, leg_scope
-    try:
-        core = leg_scope() == "core"
-    except ValueError as err:
-        raise pytest.UsageError(str(err)) from None
+    from isa import LEG_REPEATS, MULTIDEVICE, core_scope_errors, full_matrix_only, leg_repeat_errors
+    core = _matrix_scope() == "core"
     ids = {item.nodeid for item in items}
     whole = any(nodeid.startswith("tests/test_isa_matrix.py::") for nodeid in ids)
     multidevice = any(nodeid.startswith(MULTIDEVICE) for nodeid in ids)
@@ -155,6 +161,45 @@ def _leave_out_leg_repeats(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if not left_out(item.nodeid)]
+
+
+def _matrix_scope() -> str:
+    from isa import matrix_scope
+    try:
+        return matrix_scope()
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+
+
+def full_matrix_errors(items) -> list[str]:
+    """What is wrong with the `full_matrix` marks of a collection: a mark without its `cover` (the case that
+    still checks the claim in the core) and `why`, or a cover that is not a case the core runs -- checked where
+    the cover's file is collected (running one test alone checks nothing)."""
+    ids = {item.nodeid for item in items}
+    marked = {item.nodeid: item.get_closest_marker("full_matrix") for item in items}
+    marked = {nodeid: mark for nodeid, mark in marked.items() if mark}
+    errors = []
+    for nodeid, mark in marked.items():
+        cover, why = mark.kwargs.get("cover"), mark.kwargs.get("why")
+        if not cover or not why or mark.args:
+            errors.append(f"{nodeid}: mark it full_matrix(cover=NODE_ID, why=TEXT)")
+        elif any(other.startswith(cover.split("::")[0] + "::") for other in ids) and (
+                cover not in ids or cover in marked):
+            errors.append(f"{nodeid} is covered by {cover!r}, which is not a case the core runs")
+    return errors
+
+
+def _leave_out_full_matrix_cases(config, items, errors):
+    """In the core scope, deselect the cases marked `full_matrix` (after `full_matrix_errors`, computed on the
+    whole collection, found nothing)."""
+    if errors:
+        raise pytest.UsageError("full_matrix marks: " + "; ".join(errors))
+    if _matrix_scope() == "full":
+        return
+    dropped = [item for item in items if item.get_closest_marker("full_matrix")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not item.get_closest_marker("full_matrix")]
 
 
 def _memory_map_count() -> int | None:

@@ -118,66 +118,78 @@ LEG_REPEATS = {
 }
 
 
-# Which bitwise tests a leg runs. The README's command (CI) runs the *core* of the matrix under each ISA: every
-# claim about a numeric primitive, one end-to-end engine == trainer case per kind of program, and (under SSE4_2,
-# CORE_LEG_LEAVES) every knob. The *full* matrix (`JAXALIGN_ISA_LEGS=full`, docs/testing.md) also re-runs the cases
-# below, end-to-end claims that compile programs of their own (the multidevice suite alone is a quarter of a full
-# leg). The two full legs were 1,225 of the suite's 4,002 worker-seconds on 2 cores (the suite's budget is 2,400),
-# beside the native run of every bitwise case, so the full matrix is a command, run before a change to numerics
-# lands.
-LEG_SCOPE_ENV = "JAXALIGN_ISA_LEGS"
-LEG_SCOPES = ("core", "full")
+# The test matrix's scope. The README's command (CI) runs the *core*: every case natively except those marked
+# `full_matrix` (a family, a mesh or a schedule beyond the one the core keeps for that claim; tests/conftest.py
+# checks each names a core case), and under each other ISA every claim about a numeric primitive (rounding,
+# reductions, the optimizer, the loss's order, Pallas kernels, the FP8 quantiser) plus one end-to-end engine ==
+# trainer case. `JAXALIGN_MATRIX=full` runs everything: the cases below (every end-to-end case and every knob
+# under both ISAs, the multidevice suite), every family and every mesh. On 2 cores the core is the suite's
+# 20-minute budget and the full matrix about 40 minutes (docs/testing.md), so the full matrix is a command, run
+# before a change to numerics lands.
+MATRIX_ENV = "JAXALIGN_MATRIX"
+MATRIX_SCOPES = ("core", "full")
+_RETIRED_ENV = "JAXALIGN_ISA_LEGS"  # its name before the scope covered meshes and families too
 # node-id prefix -> (the core case that still checks its numerics under the leg's ISA, or None, and why); a core
 # leg also leaves out the cases CORE_LEG_LEAVES[leg] names
+_END_TO_END = "the engine == trainer claim end to end: the core leg keeps the static case with a chunked prefill"
+_STATIC_CHUNKED = "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[static-batches2-4]"
+_HYBRID = "the gated DeltaNet hybrid end to end: natively in the core (every case), under other ISAs in the full matrix"
 FULL_MATRIX_ONLY = {
     "tests/test_meshes.py::test_multidevice_suite_on_eight_fake_devices":
         (None, "meshes: sharded programs against one device; the core keeps every one-device claim they rest on"),
-    "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[hybrid-static]":
-        ("tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[hybrid-continuous]",
-         "the hybrid's aligned engine at static batches 1/3/8: its continuous case runs the same delta rule"),
-    "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[hybrid-chunked-prefill]":
-        ("tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[static-batches2-4]",
-         "a chunked prefill: the core's chunked case on tiny, and the hybrid's continuous case"),
-    "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[fp8-chunked-prefill]":
-        ("tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[fp8-continuous]",
-         "aligned-fp8 chunked: the core's fp8 case runs the same block-scaled products"),
-    "tests/test_engine.py::test_aligned_request_is_invariant_to_batch_and_slot[aligned-fp8]":
-        ("tests/test_engine.py::test_aligned_request_is_invariant_to_batch_and_slot[aligned-bf16]",
-         "the engine's batch and slot invariance under aligned-fp8: the same schedules under aligned-bf16"),
+    "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[continuous-batches1-None]":
+        (_STATIC_CHUNKED, _END_TO_END + ", and the engine's slot refills are test_engine's claim natively"),
+    "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[hybrid-":
+        (None, _HYBRID),
+    "tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[fp8-":
+        ("tests/test_fp8.py::test_e4m3_rounding_is_ml_dtypes_cast_with_saturation",
+         "aligned-fp8 end to end: the FP8 quantiser's primitive cases, and its knob cases under SSE4_2"),
+    "tests/test_engine.py::test_aligned_request_is_invariant_to_batch_and_slot":
+        (_STATIC_CHUNKED, "the engine's batch and slot invariance: " + _END_TO_END),
+    "tests/test_batch_invariance.py::test_aligned_forward_is_batch_and_position_invariant":
+        (_STATIC_CHUNKED, "the aligned forward's rows at every batch and position: " + _END_TO_END),
+    "tests/test_deltanet.py::test_aligned_engine_equals_trainer_with_trained_norms_decays_and_conv": (None, _HYBRID),
     "tests/test_fp8.py::test_aligned_fp8_engine_equals_trainer_on_every_family":
-        ("tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[fp8-continuous]",
-         "aligned-fp8 on MLA + DSA: the core's fp8 case on tiny"),
+        ("tests/test_fp8.py::test_e4m3_rounding_is_ml_dtypes_cast_with_saturation",
+         "aligned-fp8 on every family: the FP8 quantiser's cases"),
     "tests/test_fp8.py::test_merged_lora_adapters_are_quantised_with_their_weight":
-        ("tests/test_knobs.py::test_knob_changes_numbers_and_restores[weight_quant=e4m3:16x16]",
-         "merged adapters quantised with their weight: the weight quantiser's knob case"),
+        ("tests/test_fp8.py::test_weight_scales_and_values_match_the_float64_reference[f32]",
+         "merged adapters quantised with their weight: the weight quantiser's cases"),
     "tests/test_index_replay.py::":
-        ("tests/test_knobs.py::test_knob_changes_numbers_and_restores[index_ties=torch-cpu]",
-         "the engine's index selections and R3w replay: the indexer's own knob cases"),
-    "tests/test_layer_seam.py::":
-        ("tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[hybrid-continuous]",
-         "pads and refilled slots on the hybrid: its continuous case (refills) in the core"),
+        (None, "the engine's index selections and R3w replay: natively in the core, the indexer's knobs too"),
+    "tests/test_layer_seam.py::": (None, "pads and refilled slots on the hybrid: " + _HYBRID),
     "tests/test_lora.py::":
-        ("tests/test_knobs.py::test_knob_changes_numbers_and_restores[lora=unmerged]",
-         "adapters in the engine and the trainer: the LoRA knob case"),
+        (_STATIC_CHUNKED, "adapters in the engine and the trainer: natively in the core; " + _END_TO_END),
+    "tests/test_knobs.py::":
+        (None, "the knob cases: natively in the core; under another ISA a knob can turn into a no-op for want of "
+               "what its arithmetic differs by -- FMA contraction, F16C (the index scores' float16 once changed no "
+               "selection under SSE4_2 alone) -- which the full matrix checks"),
+    "tests/test_ynn_reduce_fusion.py::test_rl_step34_trainer_batch_scores_the_engine_tokens_bitwise":
+        ("tests/test_ynn_reduce_fusion.py::test_ynn_reduce_fusions_are_off_and_would_make_exp_depend_on_the_batch",
+         "the RL step YNNPACK's reduce fusions broke: the fusions' own case"),
     "tests/test_pallas.py::test_aligned_bf16_on_a_simulated_gpu_runs_pallas_and_is_bitwise_between_trainer_and_engine":
         ("tests/test_pallas.py::test_tiled_kernel_on_a_simulated_accelerator_runs_the_pallas_kernel_it_chose"
          "[gpu-pallas:16x64x64]", "the Pallas kernels end to end: the kernel cases"),
 }
 
-# The knob cases (a field flipped changes the numbers) run in the SSE4_2 core leg only: a knob turns into a no-op
-# where an ISA lacks what the knob's arithmetic differs by -- FMA contraction, F16C (the index scores' float16 once
-# changed no selection under SSE4_2 alone) -- and AVX2 lacks nothing an AVX-512 host has but vector width
+# What one core leg leaves to the full matrix beside FULL_MATRIX_ONLY: the excess-precision flag (a rounding
+# claim about XLA's fusion) runs in the SSE4_2 leg only, the ISA least like the native run's
 CORE_LEG_LEAVES = {
-    "AVX2": {"tests/test_knobs.py::": (None, "knobs: the SSE4_2 core leg runs them (no FMA, no F16C)")},
+    "AVX2": {"tests/test_alignment.py::test_excess_precision_is_off":
+             (None, "a flag whose effect is a rounding: the SSE4_2 core leg runs it")},
 }
 
 
-def leg_scope(environ=None) -> str:
-    """The ISA legs' scope, `core` (the default) or `full`, from JAXALIGN_ISA_LEGS; anything else is refused."""
+def matrix_scope(environ=None) -> str:
+    """The test matrix's scope, `core` (the default) or `full`, from JAXALIGN_MATRIX; anything else is refused,
+    and so is the retired JAXALIGN_ISA_LEGS (which would otherwise be ignored without a word)."""
     environ = os.environ if environ is None else environ
-    scope = environ.get(LEG_SCOPE_ENV, "") or "core"
-    if scope not in LEG_SCOPES:
-        raise ValueError(f"{LEG_SCOPE_ENV}={scope!r}: expected one of {', '.join(LEG_SCOPES)} (unset: core)")
+    if environ.get(_RETIRED_ENV):
+        raise ValueError(f"{_RETIRED_ENV} is now {MATRIX_ENV} (it also selects meshes and families): "
+                         f"set {MATRIX_ENV}={environ[_RETIRED_ENV]} instead")
+    scope = environ.get(MATRIX_ENV, "") or "core"
+    if scope not in MATRIX_SCOPES:
+        raise ValueError(f"{MATRIX_ENV}={scope!r}: expected one of {', '.join(MATRIX_SCOPES)} (unset: core)")
     return scope
 
 

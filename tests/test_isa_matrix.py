@@ -11,11 +11,11 @@ makes under that ISA, and each names the case that still covers it (tests/confte
 leg collects the suite). All the run's processes share one persistent compilation cache (tests/conftest.py); its
 key hashes XLA_FLAGS, so a leg compiles its own executables (the last test here proves it).
 
-The README's command runs the *core* of each leg: every knob and primitive claim and one end-to-end case per
-kind of program; `JAXALIGN_ISA_LEGS=full` runs the full matrix, which adds the cases tests/isa.py
-FULL_MATRIX_ONLY lists (each with the core case that still checks its numerics), the multidevice suite among
-them. Inside a full leg the multidevice suite (tests/test_meshes.py) runs only its `bitwise` cases, a
-representative mesh per claim, less its RL run on a mesh (a LEG_REPEATS entry: the leg's gradient, generation and
+The README's command runs the *core* of each leg: every primitive claim and one end-to-end engine == trainer
+case (tests/isa.py says why); `JAXALIGN_MATRIX=full` runs the full matrix, which adds the cases tests/isa.py
+FULL_MATRIX_ONLY and CORE_LEG_LEAVES list (each with the core case that still checks its numerics), the
+multidevice suite among them. Inside a full leg the multidevice suite (tests/test_meshes.py) runs only its
+`bitwise` cases, a representative mesh per claim, less its RL run on a mesh (a LEG_REPEATS entry: the leg's gradient, generation and
 logprob cases on that mesh, the optimizer's and the loss's order tests are its numerics); the two-process test
 does not run in either: its numerics are the mesh RL run's, and what it adds (gloo, checkpoints) does not depend
 on the ISA.
@@ -31,8 +31,8 @@ import time
 
 import pytest
 
-from isa import (CORE_LEG_LEAVES, FULL_MATRIX_ONLY, ISA_FLAG, LEG_REPEATS, LEG_SCOPE_ENV, child_env,
-                 core_scope_errors, current_isa, full_matrix_only, leg_already_run, leg_scope)
+from isa import (_STATIC_CHUNKED, CORE_LEG_LEAVES, FULL_MATRIX_ONLY, ISA_FLAG, LEG_REPEATS, MATRIX_ENV, child_env,
+                 core_scope_errors, current_isa, full_matrix_only, leg_already_run, matrix_scope)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEGS = ["AVX2", "SSE4_2"]
@@ -44,8 +44,8 @@ def test_bitwise_claims_hold_under_isa(isa):
     reason = leg_already_run(isa)
     if reason:
         pytest.skip(reason)
-    scope = leg_scope()  # refused here, before a leg starts, if JAXALIGN_ISA_LEGS is not a scope
-    env = child_env(f"{ISA_FLAG}={isa}", JAXALIGN_ISA_LEG=isa, **{LEG_SCOPE_ENV: scope})
+    scope = matrix_scope()  # refused here, before a leg starts, if JAXALIGN_MATRIX is not a scope
+    env = child_env(f"{ISA_FLAG}={isa}", JAXALIGN_ISA_LEG=isa, **{MATRIX_ENV: scope})
     env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if not f.startswith(ISA_FLAG + "=")
                                 or f == f"{ISA_FLAG}={isa}")
     start = time.perf_counter()
@@ -66,12 +66,15 @@ def test_a_leg_is_skipped_only_where_it_would_repeat_the_run():
     assert leg_already_run("AVX2", "--xla_cpu_max_isa=SSE4_2", zen3) is None  # capped below the CPU: not native
 
 
-def test_the_leg_scope_is_core_unless_full_is_asked_for_and_anything_else_is_refused():
-    assert leg_scope({}) == "core" and leg_scope({LEG_SCOPE_ENV: ""}) == "core"
-    assert leg_scope({LEG_SCOPE_ENV: "full"}) == "full"
+def test_the_matrix_scope_is_core_unless_full_is_asked_for_and_anything_else_is_refused():
+    assert matrix_scope({}) == "core" and matrix_scope({MATRIX_ENV: ""}) == "core"
+    assert matrix_scope({MATRIX_ENV: "full"}) == "full"
     for bad in ("all", "FULL", "off", "core,full"):
-        with pytest.raises(ValueError, match=f"{LEG_SCOPE_ENV}=.*expected one of core, full"):
-            leg_scope({LEG_SCOPE_ENV: bad})
+        with pytest.raises(ValueError, match=f"{MATRIX_ENV}=.*expected one of core, full"):
+            matrix_scope({MATRIX_ENV: bad})
+    # the variable's old name is refused by name, not ignored (a user asking for the full matrix would get the core)
+    with pytest.raises(ValueError, match=f"JAXALIGN_ISA_LEGS is now {MATRIX_ENV}.*{MATRIX_ENV}=full"):
+        matrix_scope({"JAXALIGN_ISA_LEGS": "full"})
 
 
 def test_the_core_scope_check_catches_a_stale_prefix_and_a_cover_the_core_does_not_run():
@@ -80,6 +83,7 @@ def test_the_core_scope_check_catches_a_stale_prefix_and_a_cover_the_core_does_n
     prefixes = list(FULL_MATRIX_ONLY) + [p for leaves in CORE_LEG_LEAVES.values() for p in leaves]
     every = {prefix + ("x" if prefix.endswith("::") else "") for prefix in prefixes}
     covers = {cover for cover, _ in FULL_MATRIX_ONLY.values() if cover}
+    covers |= {cover for leaves in CORE_LEG_LEAVES.values() for cover, _ in leaves.values() if cover}
     assert core_scope_errors(every | covers) == []
     stale = sorted(FULL_MATRIX_ONLY)[0]
     assert any("matches no bitwise test" in e and stale in e for e in core_scope_errors((every - {stale + "x", stale})
@@ -87,9 +91,37 @@ def test_the_core_scope_check_catches_a_stale_prefix_and_a_cover_the_core_does_n
     cover = next(c for c, _ in FULL_MATRIX_ONLY.values() if c)
     assert any("not a bitwise case a core leg runs" in e for e in core_scope_errors(every | covers - {cover}))
     assert not set(covers) & set(LEG_REPEATS)
-    # the AVX2 core leg leaves the knobs to the SSE4_2 one; the SSE4_2 core leg keeps them
+    # the AVX2 core leg leaves the excess-precision flag to the SSE4_2 one; both leave the knobs to the full matrix
+    flag = "tests/test_alignment.py::test_excess_precision_is_off_and_would_make_bf16_bits_depend_on_fusion"
+    assert full_matrix_only(flag, "AVX2") and not full_matrix_only(flag, "SSE4_2") and not full_matrix_only(flag)
     knob = "tests/test_knobs.py::test_knob_changes_numbers_and_restores[reduction=tree]"
-    assert full_matrix_only(knob, "AVX2") and not full_matrix_only(knob, "SSE4_2") and not full_matrix_only(knob)
+    assert full_matrix_only(knob, "AVX2") and full_matrix_only(knob, "SSE4_2")
+    assert not full_matrix_only(_STATIC_CHUNKED, "AVX2") and not full_matrix_only(_STATIC_CHUNKED, "SSE4_2")
+
+
+def test_a_full_matrix_mark_needs_a_cover_the_core_runs():
+    """conftest checks the `full_matrix` marks of every collection (native, a leg, the multidevice suite) with
+    full_matrix_errors; here on made-up items, so that a mark whose cover was renamed or left to the full matrix
+    too cannot pass unnoticed."""
+    from conftest import full_matrix_errors
+
+    class Item:  # what full_matrix_errors reads of a collected test
+        def __init__(self, nodeid, mark=None):
+            self.nodeid, self.mark = nodeid, mark
+
+        def get_closest_marker(self, name):
+            return self.mark if name == "full_matrix" else None
+
+    def full(cover, why="a mesh beyond the core's"):
+        return pytest.mark.full_matrix(cover=cover, why=why).mark
+
+    core, extra = "tests/test_x.py::test_claim[core]", "tests/test_x.py::test_claim[extra]"
+    assert full_matrix_errors([Item(core), Item(extra, full(core))]) == []
+    assert full_matrix_errors([Item(extra, full(core))]) != []  # the cover's file is collected, the cover is not
+    assert "not a case the core runs" in full_matrix_errors([Item(core, full(extra)), Item(extra, full(core))])[0]
+    assert "full_matrix(cover=NODE_ID, why=TEXT)" in full_matrix_errors([Item(core), Item(extra, full(core, ""))])[0]
+    # a run of one test alone (its cover's file not collected) has nothing to check against
+    assert full_matrix_errors([Item("tests/test_y.py::test_other", full(core))]) == []
 
 
 # A child that compiles one program (`jit_probe`, a reduction whose code XLA:CPU vectorises by the ISA) with the

@@ -48,6 +48,10 @@ def test_merged_engine_folds_adapters_at_sync():
     assert np.any(np.asarray(model.blocks[0].attn.q_proj.lora_b[...]))  # the trainer's model is untouched
 
 
+@pytest.mark.full_matrix(cover="tests/test_lora.py::test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy"
+                                "[tiny-glm5-kv_b_proj]",
+                         why="a LoRA run of Trainer.run (warm start, evaluation, checkpoints) on GQA: the core's "
+                             "LoRA runs step the trainer on MLA and on the hybrid; Trainer.run is every RL test's")
 def test_lora_trainer_updates_only_adapters(tmp_path):
     from jaxalign.rl.grpo import GRPOConfig
     from jaxalign.rl.sft import SFTConfig, warm_start
@@ -168,7 +172,7 @@ def test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy(preset, i
     """GRPO with adapters on every mixer projection (MLA's kv_b_proj included, read inside attention; the gated
     DeltaNet's in_proj_qkv / in_proj_z / out_proj beside gated attention's): the aligned engine reports the
     trainer's logprobs bitwise at every step (rollout KL 0), and only adapters change -- B among them, `inner`'s
-    too."""
+    too -- in the trainer's own copy of the model."""
     from jaxalign.rl.grpo import GRPOConfig
     from jaxalign.rl.trainer import RLConfig, Trainer
     model = build_model(preset)
@@ -183,3 +187,4 @@ def test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy(preset, i
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
     assert changed and all("lora" in k for k in changed)
     assert any(inner in k and "lora_b" in k for k in changed)
+    assert not has_lora(model) and has_lora(trainer.model)  # adapters went into the trainer's own copy

@@ -43,15 +43,23 @@ def _cli(*args):
     return proc.stdout
 
 
+_COMPARE = ("compare", "--model", "tiny", "--prompts", "8", "--max-new-tokens", "8", "--json", "--host-devices", "8")
+
+
 @pytest.mark.slow
 def test_compare_between_differently_parallelised_trainer_and_engine():
-    common = ("compare", "--model", "tiny", "--prompts", "8", "--max-new-tokens", "8", "--json", "--host-devices", "8")
-    aligned = json.loads(_cli(*common, "--trainer", "aligned-bf16", "--engine", "aligned-bf16",
+    aligned = json.loads(_cli(*_COMPARE, "--trainer", "aligned-bf16", "--engine", "aligned-bf16",
                               "--trainer-mesh", "fsdp=4,tensor=2", "--engine-mesh", "tensor=8"))
     assert (aligned["trainer_mesh"], aligned["engine_mesh"]) == ("fsdp=4,tensor=2", "tensor=8")
     assert aligned["runs"][0]["max_abs_logp_diff"] == 0.0
     assert aligned["runs"][0]["route_flip_rate"] == 0.0
-    serve = json.loads(_cli(*common, "--trainer", "serve-bf16", "--engine", "serve-bf16",
+
+
+@pytest.mark.slow
+@pytest.mark.full_matrix(cover="tests/test_meshes.py::test_multidevice_suite_on_eight_fake_devices",
+                         why="a mesh's own all-reduces change the bits: its cross_device knob case")
+def test_compare_of_one_policy_on_one_device_and_a_mesh_has_a_gap():
+    serve = json.loads(_cli(*_COMPARE, "--trainer", "serve-bf16", "--engine", "serve-bf16",
                             "--engine-mesh", "tensor=8"))
     assert serve["policy_diff"] == [] and serve["runs"][0]["max_abs_logp_diff"] > 0  # parallelism alone
 

@@ -23,8 +23,20 @@ def _prompts(n, seed=0):
     return [rng.integers(0, 64, int(rng.integers(3, 12))).astype(np.int32) for _ in range(n)]
 
 
-@pytest.mark.parametrize("form", ["expanded", "absorbed"])
-@pytest.mark.parametrize("schedule, chunk", [("static", None), ("static", 4), ("continuous", None)])
+def _greedy_cases():
+    """Each schedule in one MLA form by default, alternating; the other form of each in the full matrix."""
+    here = "tests/test_mla.py::test_greedy_equals_teacher_forced_argmax"
+    cases = []
+    for i, (schedule, chunk) in enumerate([("static", None), ("static", 4), ("continuous", None)]):
+        core, other = ("expanded", "absorbed") if i % 2 == 0 else ("absorbed", "expanded")
+        cases.append(pytest.param(schedule, chunk, core, id=f"{schedule}-{chunk}-{core}"))
+        full = pytest.mark.full_matrix(cover=f"{here}[{schedule}-{chunk}-{core}]",
+                                       why="the same schedule in the other MLA form")
+        cases.append(pytest.param(schedule, chunk, other, id=f"{schedule}-{chunk}-{other}", marks=full))
+    return cases
+
+
+@pytest.mark.parametrize("schedule, chunk, form", _greedy_cases())
 def test_greedy_equals_teacher_forced_argmax(model, form, schedule, chunk):
     """The engine decodes from the latent cache (prefilled whole or in chunks of 4, or one token per slot under
     continuous batching) and picks the teacher-forced argmax at every step."""

@@ -32,6 +32,15 @@ TP = ["tensor=2", "tensor=4", "tensor=8"]
 EP = ["expert=2", "expert=4", "expert=8"]
 MIXED = ["data=8", "fsdp=4,tensor=2", "data=2,expert=2,tensor=2"]
 ALIGNED = NumericPolicy.preset("aligned-bf16")
+HERE = "tests/multidevice/test_meshes.py::"
+
+
+def full_matrix(spec, cover: str, why: str, *marks):
+    """A parametrised case only `JAXALIGN_MATRIX=full` runs: a mesh beyond the one the default run keeps for that
+    claim (`cover`, a case of this file)."""
+    return pytest.param(*(spec if isinstance(spec, tuple) else (spec,)),
+                        marks=[pytest.mark.full_matrix(cover=HERE + cover, why=why), *marks])
+
 
 
 @pytest.mark.bitwise
@@ -131,7 +140,10 @@ def _prompts(cfg):
 
 # pure data parallelism, and one mesh with every other axis (tensor and expert parallelism alone are checked
 # bitwise under aligned-bf16 below; here the partitioner's own all-reduces are the point)
-@pytest.mark.parametrize("spec", ["data=8", "fsdp=2,expert=2,tensor=2"])
+@pytest.mark.parametrize("spec", [
+    full_matrix(spec, "test_cross_device_knob", "the partitioner's own all-reduces within float32 tolerance of one "
+                "device: the cross_device knob case's xla side (fsdp=4,tensor=2), and aligned-bf16 bitwise on "
+                "every core mesh") for spec in ("data=8", "fsdp=2,expert=2,tensor=2")])
 def test_fp32_sharded_forward_backward_generate_match_one_device(model, spec):
     fp32, mesh = NumericPolicy.preset("fp32"), make_mesh(spec)
     tokens = random_tokens(model.config, 8, 24)
@@ -150,7 +162,10 @@ def test_fp32_sharded_forward_backward_generate_match_one_device(model, spec):
     assert rn.stats["mesh"] == spec
 
 
-@pytest.mark.parametrize("spec", ["expert=8", "fsdp=2,expert=2,tensor=2"])
+@pytest.mark.parametrize("spec", [
+    full_matrix("expert=8", "test_bucketed_dispatch_generates_on_a_mesh[fsdp=2,expert=2,tensor=2]",
+                "experts split 8 ways: the mixed mesh splits them too"),
+    "fsdp=2,expert=2,tensor=2"])
 def test_bucketed_dispatch_generates_on_a_mesh(model, spec):
     """The bucketed dispatch (per-expert buffers, one `lax.switch` branch per size) runs sharded: the one-device
     tokens, and the engine's logprobs are the sharded trainer's."""
@@ -163,9 +178,13 @@ def test_bucketed_dispatch_generates_on_a_mesh(model, spec):
     np.testing.assert_allclose(np.asarray(lp)[rn.mask], rn.logprobs[rn.mask], rtol=1e-5, atol=1e-5)
 
 
-# the smallest and largest split of each single axis (tensor=4, expert=4 lie between), and the mixed meshes
-@pytest.mark.parametrize("spec", [pytest.param(s, marks=pytest.mark.bitwise) if s == "fsdp=4,tensor=2" else s
-                                  for s in ["tensor=2", "tensor=8", "expert=2", "expert=8"] + MIXED])
+# the smallest and largest split of each single axis (tensor=4, expert=4 lie between), and the mixed meshes; the
+# default run keeps the mixed meshes, which split every axis between them
+@pytest.mark.parametrize("spec", [
+    pytest.param("fsdp=4,tensor=2", marks=pytest.mark.bitwise), "data=2,expert=2,tensor=2",
+    *(full_matrix(s, "test_aligned_logprobs_are_bitwise_on_every_mesh[data=2,expert=2,tensor=2]",
+                  "one axis alone: the mixed meshes split it with the others")
+      for s in ["tensor=2", "tensor=8", "expert=2", "expert=8", "data=8"])])
 def test_aligned_logprobs_are_bitwise_on_every_mesh(model, spec):
     tokens = random_tokens(model.config, 8, 24)
     one = np.asarray(token_logprobs(model, tokens, ALIGNED)[0])
@@ -173,6 +192,10 @@ def test_aligned_logprobs_are_bitwise_on_every_mesh(model, spec):
 
 
 @pytest.mark.bitwise
+@pytest.mark.full_matrix(cover=HERE + "test_aligned_generation_is_bitwise_on_every_mesh"
+                               "[data=2,expert=2,tensor=2-continuous]",
+                         why="aligned-fp8 on the mixed mesh: aligned-bf16's sharded programs there, and "
+                             "aligned-fp8's one-device cases, quantised from the same float32 masters")
 def test_aligned_fp8_is_bitwise_on_a_mixed_mesh(model):
     """aligned-fp8 (cross_device=ordered, as aligned-bf16) on data=2,expert=2,tensor=2: the trainer's logprobs and
     the engine's generation (weights quantised from sharded masters at its sync) are one device's, bit for bit."""
@@ -188,8 +211,11 @@ def test_aligned_fp8_is_bitwise_on_a_mixed_mesh(model):
     np.testing.assert_array_equal(sharded.logprobs, alone.logprobs)
 
 
-@pytest.mark.parametrize("spec", ["tensor=8", "expert=8", "data=8", "fsdp=4,tensor=2",
-                                  pytest.param("data=2,expert=2,tensor=2", marks=pytest.mark.bitwise)])
+@pytest.mark.parametrize("spec", [
+    *(full_matrix(s, "test_aligned_gradients_are_bitwise_on_every_mesh[data=2,expert=2,tensor=2]",
+                  "one axis alone: the mixed mesh splits it with the others")
+      for s in ["tensor=8", "expert=8", "data=8"]),
+    "fsdp=4,tensor=2", pytest.param("data=2,expert=2,tensor=2", marks=pytest.mark.bitwise)])
 def test_aligned_gradients_are_bitwise_on_every_mesh(model, spec):
     tokens = random_tokens(model.config, 8, 24)
     loss1, g1 = _grads(model, tokens, ALIGNED, None)
@@ -200,6 +226,9 @@ def test_aligned_gradients_are_bitwise_on_every_mesh(model, spec):
 
 
 @pytest.mark.bitwise
+@pytest.mark.full_matrix(cover=HERE + "test_aligned_gradients_are_bitwise_on_every_mesh[data=2,expert=2,tensor=2]",
+                         why="a regression's weights and tokens on data=2: every gradient goes through the same "
+                             "tree-summed broadcasts on the mixed mesh")
 def test_aligned_gradients_are_bitwise_on_a_mesh_for_other_weights_and_tokens():
     """`tiny` with the weights and 8 x 38 tokens of seed 3 (a case of `benchmarks/mesh_gradients.py`) on data=2:
     10 of its 27 gradient leaves differed from one device's, by one bf16 rounding, while attention divided by its
@@ -214,9 +243,13 @@ def test_aligned_gradients_are_bitwise_on_a_mesh_for_other_weights_and_tokens():
         np.testing.assert_array_equal(b, a)
 
 
-@pytest.mark.parametrize("spec, schedule", [("data=8", "static"), ("data=8", "continuous"), ("tensor=8", "static"),
-                                            pytest.param("data=2,expert=2,tensor=2", "continuous",
-                                                         marks=pytest.mark.bitwise)])
+# the default run keeps the mixed mesh's continuous batching; static batches on a mesh are the FP8 and the hybrid
+# cases' (fp8 on data=2,expert=2,tensor=2, the hybrid's chunked prefill on fsdp=2,expert=2,tensor=2)
+@pytest.mark.parametrize("spec, schedule", [
+    *(full_matrix(case, "test_aligned_generation_is_bitwise_on_every_mesh[data=2,expert=2,tensor=2-continuous]",
+                  "one axis alone: the mixed mesh splits it with the others")
+      for case in [("data=8", "static"), ("data=8", "continuous"), ("tensor=8", "static")]),
+    pytest.param("data=2,expert=2,tensor=2", "continuous", marks=pytest.mark.bitwise)])
 def test_aligned_generation_is_bitwise_on_every_mesh(model, spec, schedule):
     kw = dict(max_new_tokens=8, temperature=1.0, seed=5, schedule=schedule, batch_size=8)
     one = generate(model, _prompts(model.config), ALIGNED, **kw)
@@ -226,6 +259,9 @@ def test_aligned_generation_is_bitwise_on_every_mesh(model, spec, schedule):
     np.testing.assert_array_equal(sharded.routing.indices, one.routing.indices)
 
 
+@pytest.mark.full_matrix(cover=HERE + "test_kv_cache_is_sharded[data=4,tensor=2]",
+                         why="MLA + DSA on data=4,tensor=2: the attention cache's sharding rules on GQA, and "
+                             "tiny-glm5's one-device aligned cases")
 def test_glm5_latent_cache_is_split_over_the_batch_and_generation_is_bitwise():
     """tiny-glm5 (MLA + DSA) on data=4,tensor=2: the latent cache [B, 1, rows, M] (latent, rope key and indexer
     key, shared by every head) is split over the batch axes only (LATENT_CACHE_AXES), and the aligned engine
@@ -250,8 +286,12 @@ def test_glm5_latent_cache_is_split_over_the_batch_and_generation_is_bitwise():
 
 
 @pytest.mark.bitwise
-@pytest.mark.parametrize("spec,schedule,prefill_chunk", [("data=4,tensor=2", "continuous", None),
-                                                          ("fsdp=2,expert=2,tensor=2", "static", 4)])
+@pytest.mark.parametrize("spec,schedule,prefill_chunk", [
+    full_matrix(("data=4,tensor=2", "continuous", None),
+                "test_hybrid_generation_and_scoring_are_bitwise_on_a_mesh[fsdp=2,expert=2,tensor=2-static-4]",
+                "states reset on refill, sharded: the one-device continuous hybrid case, and states carried "
+                "across chunks sharded over every axis here"),
+    ("fsdp=2,expert=2,tensor=2", "static", 4)])
 def test_hybrid_generation_and_scoring_are_bitwise_on_a_mesh(spec, schedule, prefill_chunk):
     """tiny-qwen3.5 (gated DeltaNet + gated attention) under aligned-bf16: the sharded engine -- continuous
     batching over 4 slots for 8 prompts (states reset on refill), or a static batch prefilled in chunks of 4
