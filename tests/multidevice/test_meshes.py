@@ -163,9 +163,9 @@ def test_fp32_sharded_forward_backward_generate_match_one_device(model, spec):
 
 
 @pytest.mark.parametrize("spec", [
-    full_matrix("expert=8", "test_bucketed_dispatch_generates_on_a_mesh[fsdp=2,expert=2,tensor=2]",
-                "experts split 8 ways: the mixed mesh splits them too"),
-    "fsdp=2,expert=2,tensor=2"])
+    full_matrix(spec, "test_aligned_generation_is_bitwise_on_every_mesh[data=2,expert=2,tensor=2-continuous]",
+                "the bucketed dispatch on a mesh: its one-device cases, and the dense dispatch's sharded "
+                "generation") for spec in ("expert=8", "fsdp=2,expert=2,tensor=2")])
 def test_bucketed_dispatch_generates_on_a_mesh(model, spec):
     """The bucketed dispatch (per-expert buffers, one `lax.switch` branch per size) runs sharded: the one-device
     tokens, and the engine's logprobs are the sharded trainer's."""
