@@ -129,10 +129,21 @@ def pytest_collection_modifyitems(config, items):
         group = _LONG_GROUP.get(item.nodeid, item.nodeid) if long else _FILE_GROUP.get(path, path)
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=rank)  # stable: files keep their order
-    marks = full_matrix_errors(items)
+    errors = full_matrix_errors(items)  # on the whole collection, before any case is left out
+    if errors:
+        raise pytest.UsageError("full_matrix marks: " + "; ".join(errors))
     if os.environ.get("JAXALIGN_ISA_LEG"):
         _leave_out_leg_repeats(config, items)
-    _leave_out_full_matrix_cases(config, items, marks)
+    if _matrix_scope() == "core":
+        _deselect(config, items, lambda item: item.get_closest_marker("full_matrix") is not None)
+
+
+def _deselect(config, items, left_out) -> None:
+    """Deselect (and report) the items for which `left_out(item)` holds."""
+    dropped = [item for item in items if left_out(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not left_out(item)]
 
 
 def _leave_out_leg_repeats(config, items):
@@ -155,12 +166,7 @@ def _leave_out_leg_repeats(config, items):
 
     leg = os.environ.get("JAXALIGN_ISA_LEG")
 
-    def left_out(nodeid):
-        return nodeid in LEG_REPEATS or (core and full_matrix_only(nodeid, leg))
-    dropped = [item for item in items if left_out(item.nodeid)]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if not left_out(item.nodeid)]
+    _deselect(config, items, lambda item: item.nodeid in LEG_REPEATS or (core and full_matrix_only(item.nodeid, leg)))
 
 
 def _matrix_scope() -> str:
@@ -187,19 +193,6 @@ def full_matrix_errors(items) -> list[str]:
                 cover not in ids or cover in marked):
             errors.append(f"{nodeid} is covered by {cover!r}, which is not a case the core runs")
     return errors
-
-
-def _leave_out_full_matrix_cases(config, items, errors):
-    """In the core scope, deselect the cases marked `full_matrix` (after `full_matrix_errors`, computed on the
-    whole collection, found nothing)."""
-    if errors:
-        raise pytest.UsageError("full_matrix marks: " + "; ".join(errors))
-    if _matrix_scope() == "full":
-        return
-    dropped = [item for item in items if item.get_closest_marker("full_matrix")]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if not item.get_closest_marker("full_matrix")]
 
 
 def _memory_map_count() -> int | None:
