@@ -30,6 +30,7 @@ import jaxlib
 import numpy as np
 
 from jaxalign.align.audit import PROGRAMS, audit, lower_programs
+from jaxalign.loading import load_model  # noqa: F401  (moved to jaxalign.loading; importable here as before)
 from jaxalign.model import kinds
 from jaxalign.model.kinds.base import random_rows
 from jaxalign.model.transformer import Transformer
@@ -221,22 +222,6 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
             "kernels": {side: sorted(found) for side, found in used.items()},
             "audit": audits, "probes": probes, "kernel_gaps": kernel_gaps, "gaps": gaps,
             **({"fp8_rounding": fp8_rounding} if fp8_rounding is not None else {}), "passed": passed}
-
-
-def load_model(spec: str, seed: int = 0) -> Transformer:
-    """A model from a preset name, a transformers checkpoint directory or a jaxalign (orbax) checkpoint."""
-    if os.path.isdir(spec):
-        if os.path.isdir(os.path.join(spec, "params")):
-            from jaxalign.checkpoint import load_model as load_checkpoint
-            return load_checkpoint(spec)
-        from jaxalign.interop import hf
-        return hf.load(spec)
-    from jaxalign.model.config import ModelConfig, preset_names
-    if spec not in preset_names():
-        raise ValueError(f"model {spec!r} is neither a directory nor a preset; allowed: a transformers checkpoint "
-                         f"directory, a jaxalign checkpoint directory, or one of {', '.join(preset_names())}")
-    from flax import nnx
-    return Transformer(ModelConfig.preset(spec), rngs=nnx.Rngs(seed))
 
 
 def format_report(result: dict) -> str:

@@ -11,7 +11,7 @@ import inspect
 import os
 from typing import Any, Callable
 
-from jaxalign import check
+from jaxalign import loading
 from jaxalign.model.config import preset_names
 from jaxalign.model.sharding import make_mesh, parse_mesh_spec
 from jaxalign.model.transformer import Transformer
@@ -97,7 +97,7 @@ def policy_arg(text: str) -> NumericPolicy:
 
 def model_spec(text: str) -> str:
     """An argparse type: a model preset name or a directory (a transformers or a jaxalign checkpoint, loaded by
-    `jaxalign.check.load_model`)."""
+    `jaxalign.loading.load_model`)."""
     if text in preset_names() or os.path.isdir(text):
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is neither a model preset nor a directory; allowed: a transformers "
@@ -115,7 +115,7 @@ def add_model_args(p: argparse.ArgumentParser, *, default: str | None, required:
 
 def load_model(args: argparse.Namespace) -> Transformer:
     """The model --model names (--model-seed initialises a preset)."""
-    return check.load_model(args.model, args.model_seed)
+    return loading.load_model(args.model, args.model_seed)
 
 
 def add_policy_args(p: argparse.ArgumentParser, *, trainer: str, engine: str, trainer_help: str = "trainer policy",

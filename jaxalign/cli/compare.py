@@ -3,7 +3,7 @@ batch size."""
 
 from __future__ import annotations
 
-from jaxalign import check, report
+from jaxalign import loading, report
 from jaxalign.align.compare import compare
 from jaxalign.cli.args import (COMMAND_MODEL, GAP_PAIR, add_generation_args, add_json_arg, add_mesh_args,
                                add_model_args, add_policy_args, add_replay_arg, int_list, load_model, meshes,
@@ -22,7 +22,7 @@ def run(args) -> int:
                      schedule=args.schedule, prefill_chunk=args.prefill_chunk, seed=args.seed,
                      trainer_mesh=trainer_mesh, engine_mesh=engine_mesh,
                      behaviour_model=(None if args.behaviour_model is None else
-                                      check.load_model(args.behaviour_model, args.behaviour_model_seed)))
+                                      loading.load_model(args.behaviour_model, args.behaviour_model_seed)))
     if args.json:
         print(report.to_json(result))
         return 0
