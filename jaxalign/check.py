@@ -34,7 +34,7 @@ from jaxalign.loading import load_model  # noqa: F401  (moved to jaxalign.loadin
 from jaxalign.model import kinds
 from jaxalign.model.kinds.base import random_rows
 from jaxalign.model.transformer import Transformer
-from jaxalign.numerics import NumericPolicy, fp8, kernels as kernel_choice
+from jaxalign.numerics import NumericPolicy, fp8, kernels as kernel_choice, lowbit
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.platforms import effective_isa
 from jaxalign.numerics.precision import check_backend
@@ -202,10 +202,15 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
         bar.update()
     bar.close()
 
-    # FP8 on either side: this backend's e4m3 rounding must be round-to-nearest-even with saturation
-    fp8_rounding = fp8.rounding_check() if trainer.quantizes_products or engine.quantizes_products else None
+    # FP8 or 4-bit on either side: this backend's e4m3 / e2m1 rounding must be nearest-even with saturation
+    sides = (trainer, engine)
+    roundings = {}
+    if any(p.quantizes_products and not p.lowbit_weights or p.act_tile for p in sides):
+        roundings["fp8_rounding"] = fp8.rounding_check()
+    if any(p.lowbit_weights for p in sides):
+        roundings["e2m1_rounding"] = lowbit.rounding_check()
     passed = (all(a["passed"] for a in audits.values()) and all(p["status"] != "FAIL" for p in probes)
-              and all(g["status"] == "pass" for g in gaps) and (fp8_rounding is None or fp8_rounding["passed"]))
+              and all(g["status"] == "pass" for g in gaps) and all(r["passed"] for r in roundings.values()))
     return {"environment": environment(),
             "model": {"family": cfg.family, "config_fingerprint": cfg.fingerprint(),
                       "layer_kinds": list(cfg.layer_kinds),
@@ -221,7 +226,7 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
                            "audit": "no product with its precision or accumulation left to the backend"},
             "kernels": {side: sorted(found) for side, found in used.items()},
             "audit": audits, "probes": probes, "kernel_gaps": kernel_gaps, "gaps": gaps,
-            **({"fp8_rounding": fp8_rounding} if fp8_rounding is not None else {}), "passed": passed}
+            **roundings, "passed": passed}
 
 
 def format_report(result: dict) -> str:
@@ -258,8 +263,9 @@ def format_report(result: dict) -> str:
                            + (["index_flip_rate"] if any("index_flip_rate" in g for g in result["gaps"]) else [])
                            + ["n_tokens", "status"]),
               "", "PASS" if result["passed"] else "FAIL"]
-    if "fp8_rounding" in result:
-        r = result["fp8_rounding"]
-        lines[-2:-2] = ["", f"FP8: e4m3 rounding on this backend vs ml_dtypes (nearest even, saturated): "
-                            f"{r['mismatches']} of {r['cases']} differ ({'pass' if r['passed'] else 'FAIL'})"]
+    for key, what in (("fp8_rounding", "FP8: e4m3"), ("e2m1_rounding", "4-bit: e2m1 (MXFP4)")):
+        if key in result:
+            r = result[key]
+            lines[-2:-2] = ["", f"{what} rounding on this backend vs ml_dtypes (nearest even, saturated): "
+                                f"{r['mismatches']} of {r['cases']} differ ({'pass' if r['passed'] else 'FAIL'})"]
     return "\n".join(lines)

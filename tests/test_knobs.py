@@ -48,6 +48,10 @@ KNOBS = [
     ("act_quant", "aligned-fp8", "none"),
     ("quant_scale", "serve-fp8", "e8m0"),
     ("kv_quant", "train-bf16", "e4m3"),
+    # 4-bit weights (numerics/lowbit.py): MXFP4 and INT4 on the trainer's base, and which weights they apply to
+    ("weight_quant", "train-bf16", "mxfp4"),
+    ("weight_quant", "train-bf16", "int4:16"),
+    ("quant_scope", "serve-mxfp4", "all"),
     ("kv_quant", "serve-fp8", "e5m2"),
     ("logit_scale", "serve-bf16", "1.05"),  # the synthetic study knob
     # gated DeltaNet (numerics/delta_rule.py), on the Qwen3.5 hybrid (tiny-qwen3.5)

@@ -60,9 +60,9 @@ class Linear(nnx.Module):
         self.lora_scale = alpha / rank
 
     def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
-        if policy.quantizes_products:
+        if policy.quantizes_linears:
             w = self.w[...]
-            if self.lora_a is not None and not isinstance(w, fp8.QuantizedWeight):
+            if self.lora_a is not None and not fp8.is_quantized(w):
                 # lora=merged (FP8 refuses unmerged): the merged weight is quantised, as the engine's at its sync
                 w = merged_weight(w, self.lora_a[...], self.lora_b[...], self.lora_scale, policy)
             y = fp8.linear(x, w, policy)

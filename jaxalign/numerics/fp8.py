@@ -43,7 +43,8 @@ import numpy as np
 from jax import lax
 
 from jaxalign.numerics.dtypes import as_param, cast, dtype
-from jaxalign.numerics import precision
+from jaxalign.numerics import lowbit, precision
+from jaxalign.numerics import scales as scales_lib
 from jaxalign.numerics.collectives import gather_axes, local_reduce
 from jaxalign.numerics.kernels import select_matmul
 from jaxalign.numerics.matmul import (_ends_passed, _to_tiles, expert_matmul, grouped_matmul, matmul, row_tiles,
@@ -54,14 +55,13 @@ from jaxalign.numerics.reduce import uncontracted
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
-_INV_MAX = np.float32(1.0) / np.float32(E4M3_MAX)  # fl32(1/448)
-_MIN_EXP, _MAX_EXP = -126, 126
 
 # which parameters hold quantised weights: linear and routed-expert weights (with a LoRA adapter: the merged
 # weight, merged in the param dtype first); not the embedding, the LM head (its weight is read directly), the
 # router, the adapters themselves, or MLA's kv_b (read per head by numerics/mla.py)
 QUANTIZED_LEAVES = ("w", "w_gate", "w_up", "w_down")
 UNQUANTIZED_MODULES = ("lm_head", "kv_b_proj", "router")
+EXPERT_LEAVES = ("w_gate", "w_up", "w_down")  # the routed experts' stacked [E, K, N] weights (`quant_scope=experts`)
 
 
 @jax.tree_util.register_dataclass
@@ -89,17 +89,9 @@ class QuantizedWeight:
 
 
 def scale_from_amax(amax: jax.Array, scale_format: str) -> jax.Array:
-    """The float32 scale of blocks whose largest |x| is `amax` (see the module docstring)."""
-    amax = amax.astype(jnp.float32)
-    if scale_format == "e8m0":
-        mantissa, exponent = jnp.frexp(amax)  # amax = m * 2^e, m in [0.5, 1); 448 = 0.875 * 2^9
-        e = exponent - 9 + (mantissa > 0.875).astype(exponent.dtype)
-        scale = jnp.ldexp(jnp.ones_like(amax), jnp.clip(e, _MIN_EXP, _MAX_EXP))
-    elif scale_format == "f32":
-        scale = jnp.clip(amax * _INV_MAX, np.float32(2.0 ** _MIN_EXP), np.float32(2.0 ** _MAX_EXP))
-    else:
-        raise ValueError(f"scale format {scale_format!r}; allowed: f32, e8m0")
-    return jnp.where(amax > 0, scale, jnp.ones_like(scale))
+    """The float32 scale of e4m3 blocks whose largest |x| is `amax` (`scales.scale_from_amax` with 448; see the
+    module docstring)."""
+    return scales_lib.scale_from_amax(amax, scale_format, E4M3_MAX)
 
 
 def to_e4m3(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -109,13 +101,7 @@ def to_e4m3(x: jax.Array, scale: jax.Array) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) * inverse, -E4M3_MAX, E4M3_MAX).astype(E4M3)
 
 
-def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-    pad = (-x.shape[axis]) % multiple
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
+_pad_to = scales_lib.pad_axis
 
 
 def _expand(scales: jax.Array, blocks: tuple[int, int], shape: tuple[int, ...]) -> jax.Array:
@@ -160,16 +146,25 @@ def kv_entries(x: jax.Array, policy: NumericPolicy) -> jax.Array:
     return cast(q.astype(jnp.float32) * scales, policy.kv_cache_dtype)
 
 
-def is_quantized_leaf(names: tuple[str, ...]) -> bool:
-    """Whether the parameter at this path (module names then the leaf's) holds an FP8 weight."""
-    return bool(names) and names[-1] in QUANTIZED_LEAVES and not set(names[:-1]) & set(UNQUANTIZED_MODULES)
+def is_quantized_leaf(names: tuple[str, ...], scope: str = "all") -> bool:
+    """Whether the parameter at this path (module names then the leaf's) holds a quantised weight under
+    `quant_scope` `scope`: every linear and routed-expert weight (`all`) or the routed experts' alone
+    (`experts`)."""
+    leaves = EXPERT_LEAVES if scope == "experts" else QUANTIZED_LEAVES
+    return bool(names) and names[-1] in leaves and not set(names[:-1]) & set(UNQUANTIZED_MODULES)
+
+
+def is_quantized(w) -> bool:
+    """Whether `w` is a weight as the engine holds it under a quantising policy (FP8 blocks or 4-bit)."""
+    return isinstance(w, (QuantizedWeight, lowbit.LowBitWeight))
 
 
 def check_weight(w, policy: NumericPolicy) -> None:
-    """A `QuantizedWeight` is used only under the policy whose blocks it was quantised for."""
+    """A quantised weight is used only under the policy whose format (and blocks) it was quantised for."""
     if isinstance(w, QuantizedWeight) and w.blocks != policy.weight_blocks:
         raise ValueError(f"a weight quantised in {w.blocks} blocks met NumericPolicy.weight_quant = "
                          f"{policy.weight_quant!r}; allowed: the policy the engine cast its weights with")
+    lowbit.check_weight(w, policy)
 
 
 # --- block-scaled products ----------------------------------------------------------------------------------
@@ -190,6 +185,8 @@ def _operands(w, policy: NumericPolicy) -> tuple[jax.Array, jax.Array | None]:
     cdt = dtype(policy.compute_dtype)
     if isinstance(w, QuantizedWeight):
         return w.values.astype(cdt), w.scales
+    if isinstance(w, lowbit.LowBitWeight):  # W4A8: the 4-bit weight's values, in the param dtype, then compute
+        return cast(as_param(w.dequantized(), policy), policy.compute_dtype), None
     return cast(w, policy.compute_dtype), None
 
 
@@ -259,18 +256,25 @@ def _straight_through(forward, plain):
 
 
 def _weight(w, policy: NumericPolicy):
-    """The weight operand of a block-scaled product: the engine's `QuantizedWeight` as it is; a master
-    quantised here (the trainer); unquantised (act_quant only) in the param dtype."""
+    """The weight operand of a quantised product: the engine's `QuantizedWeight` / `LowBitWeight` as it is; a
+    master quantised here (the trainer); unquantised (act_quant only) in the param dtype."""
     check_weight(w, policy)
-    if isinstance(w, QuantizedWeight) or policy.weight_blocks is None:
-        return w if isinstance(w, QuantizedWeight) else as_param(w, policy)
-    return quantize_weight(w, policy.weight_blocks, policy.quant_scale)
+    if is_quantized(w):
+        return w
+    if policy.weight_blocks is not None:
+        return quantize_weight(w, policy.weight_blocks, policy.quant_scale)
+    if policy.lowbit_weights:
+        return lowbit.quantize(w, policy)
+    return as_param(w, policy)
 
 
 def _product(block_product, plain_product, policy: NumericPolicy, x, w, *rest):
     """block_product(x, weight operand, *rest) -- straight-through to plain_product(x, w, *rest) when w is a
-    master (the trainer); the engine's `QuantizedWeight` needs no gradient."""
-    if isinstance(w, QuantizedWeight):
+    master (the trainer); the engine's quantised weight needs no gradient. A 4-bit weight without activation
+    quantisation (W4A16) is multiplied by plain_product itself, on its dequantised values (`numerics.lowbit`)."""
+    if policy.lowbit_weights and policy.act_tile is None:
+        block_product = lambda x, w, *rest: plain_product(x, w.dequantized(), *rest)  # noqa: E731
+    if is_quantized(w):
         check_weight(w, policy)
         return block_product(x, w, *rest)
     forward = lambda x, w, *rest: block_product(x, _weight(w, policy), *rest)  # noqa: E731
@@ -335,11 +339,13 @@ def grouped_linear(x: jax.Array, w, group_sizes: jax.Array, policy: NumericPolic
 
 
 def cast_weight(x: jax.Array, names: tuple[str, ...], policy: NumericPolicy):
-    """A parameter at weight sync: a `QuantizedWeight` where the policy quantises this leaf, else None (the
-    caller casts it as usual)."""
-    if policy.weight_blocks is None or not is_quantized_leaf(names):
+    """A parameter at weight sync: a `QuantizedWeight` (FP8) or `lowbit.LowBitWeight` (4-bit) where the policy
+    quantises this leaf (`weight_quant`, `quant_scope`), else None (the caller casts it as usual)."""
+    if policy.weight_quant == "none" or not is_quantized_leaf(names, policy.quant_scope):
         return None
-    return quantize_weight(x, policy.weight_blocks, policy.quant_scale)
+    if policy.weight_blocks is not None:
+        return quantize_weight(x, policy.weight_blocks, policy.quant_scale)
+    return lowbit.quantize(x, policy)
 
 
 @functools.lru_cache(maxsize=None)
@@ -353,10 +359,12 @@ def e4m3_values() -> np.ndarray:
 # --- probes (`jaxalign check`) -------------------------------------------------------------------------------
 
 def probe_kernels(w: jax.Array, policy: NumericPolicy) -> dict:
-    """`jaxalign check`'s batch-invariance probe of the FP8 product under `policy` (which quantises): name ->
-    (kernel on rows [b, K]); the weight [K, N] quantised once, as the engine holds it."""
-    weight = quantize_weight(w, policy.weight_blocks, policy.quant_scale) if policy.weight_blocks else w
-    return {"fp8_matmul": lambda x: linear(x, weight, policy)}
+    """`jaxalign check`'s batch-invariance probe of the quantised product under `policy` (which quantises): name
+    (`fp8_matmul`, `mxfp4_matmul`, `int4_matmul`) -> (kernel on rows [b, K]); the weight [K, N] quantised once,
+    as the engine holds it."""
+    weight = _weight(w, policy) if policy.weight_quant != "none" else w
+    name = str(policy.weight_quant).split(":")[0] if policy.lowbit_weights else "fp8"
+    return {f"{name}_matmul": lambda x: linear(x, weight, policy)}
 
 
 def rounding_check() -> dict:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Literal
 
-from jaxalign.numerics.policy_values import Capacity, Chunked, DotAlgorithm, DType, Fp8Blocks, Fp8Tiles, Pallas, Tiled
+from jaxalign.numerics.policy_values import (Capacity, Chunked, DotAlgorithm, DType, Fp8Blocks, Fp8Tiles, Int4Groups,
+                                             Mxfp4, Pallas, Tiled)
 
 DTYPES = tuple(DType)
 
@@ -132,16 +133,26 @@ FIELDS: dict[str, _Field] = {
                          "trainer alike, whatever their number of slots); torch-cpu = the keys torch.topk keeps on "
                          "the CPU (libstdc++'s introselect over the row of keys transformers holds after the call: "
                          "no positional rule, and dependent on that row's length; numerics/torch_topk.py)"),
-    "weight_quant": _Field("wq", "none|e4m3:RxC (R, C positive ints)", _either(_one_of("none"), _typed(Fp8Blocks)),
-                           "FP8 weights: none, or every linear and expert weight [K, N] rounded (from its float32 "
-                           "master) to float8_e4m3fn in [R, C] blocks with one scale each, re-quantised at every "
-                           "weight sync; products per K block in float32, scaled, summed in block order "
-                           "(jaxalign/numerics/fp8.py; embedding, LM head, router and MLA's kv_b stay unquantised)"),
+    "weight_quant": _Field("wq", "none|e4m3:RxC (R, C positive ints)|mxfp4|int4:G (G a positive int)",
+                           _either(_one_of("none"), _typed(Fp8Blocks), _typed(Mxfp4), _typed(Int4Groups)),
+                           "quantised weights, quantised from their float32 masters at every weight sync (engine) "
+                           "and inside the forward (trainer, straight-through gradient): none; e4m3:RxC = FP8 in "
+                           "[R, C] blocks, one scale each, products per K block in float32, scaled, summed in block "
+                           "order (jaxalign/numerics/fp8.py); mxfp4 = OCP MXFP4 (E2M1 elements, one E8M0 scale per "
+                           "32 along K); int4:G = symmetric INT4, one scale per G along K (qscale: its format); the "
+                           "4-bit formats multiply their dequantised values with the policy's own product, or with "
+                           "act_quant's tiles (jaxalign/numerics/lowbit.py). Which weights: quant_scope; embedding, "
+                           "LM head, router and MLA's kv_b stay unquantised"),
+    "quant_scope": _Field("wq_scope", "all|experts", _one_of("all", "experts"),
+                          "which weights weight_quant (and act_quant's activations) applies to: all = every linear "
+                          "and routed-expert weight; experts = the routed experts only (how gpt-oss, DeepSeek-V4 and "
+                          "Kimi K3 serve 4-bit experts)"),
     "act_quant": _Field("aq", "none|e4m3:B (B a positive int)", _either(_one_of("none"), _typed(Fp8Tiles)),
                         "FP8 activations: none, or the input of every quantised-weight product rounded to "
                         "float8_e4m3fn in 1xB tiles along the contraction, one scale per tile from its own amax"),
     "quant_scale": _Field("qscale", "f32|e8m0", _one_of("f32", "e8m0"),
-                          "FP8 scale format: f32 = amax / 448; e8m0 = its power-of-two ceiling (exact to apply)"),
+                          "FP8 and INT4 scale format: f32 = amax / 448 (INT4: amax / 7); e8m0 = its power-of-two "
+                          "ceiling (exact to apply); MXFP4's scales are E8M0 by its spec whatever this says"),
     "kv_quant": _Field("kvq", "none|e4m3|e5m2", _one_of("none", "e4m3", "e5m2"),
                        "FP8 KV cache: none; e4m3 = keys and values rounded to float8_e4m3fn with one scale per "
                        "token and kv head (MLA: per token over the latent cache row), read back as (value * scale) "
@@ -201,7 +212,8 @@ class NumericPolicy:
     mla: Literal["expanded", "absorbed"] = "expanded"
     index_scores_dtype: DType = DType.f32
     index_ties: Literal["lower-slot", "torch-cpu"] = "lower-slot"
-    weight_quant: Literal["none"] | Fp8Blocks = "none"
+    weight_quant: Literal["none"] | Fp8Blocks | Mxfp4 | Int4Groups = "none"
+    quant_scope: Literal["all", "experts"] = "all"
     act_quant: Literal["none"] | Fp8Tiles = "none"
     quant_scale: Literal["f32", "e8m0"] = "f32"
     kv_quant: Literal["none", "e4m3", "e5m2"] = "none"
@@ -230,7 +242,7 @@ class NumericPolicy:
         if self.quantizes_products and (self.dispatch == "gather" or self.lora == "unmerged"
                                         or self.low_precision_accumulation):
             raise ValueError(f"NumericPolicy.weight_quant = {self.weight_quant!r} / act_quant = {self.act_quant!r}: "
-                             f"the FP8 products accumulate each block in float32 and run the dense, sorted, "
+                             f"the quantised products accumulate each block in float32 and run the dense, sorted, "
                              f"bucketed and capacity dispatches on merged weights; allowed with them: dispatch "
                              f"other than 'gather', lora 'merged', matmul_acc f32 or a DotAlgorithmPreset")
 
@@ -262,9 +274,20 @@ class NumericPolicy:
 
     @property
     def quantizes_products(self) -> bool:
-        """Some FP8 product field is set (`weight_quant` or `act_quant`): linear and expert products run
-        block-scaled (numerics/fp8.py)."""
+        """Some quantised-product field is set (`weight_quant` or `act_quant`): expert products (and, under
+        `quant_scope=all`, linear ones) run quantised (numerics/fp8.py, numerics/lowbit.py)."""
         return self.weight_quant != "none" or self.act_quant != "none"
+
+    @property
+    def lowbit_weights(self) -> bool:
+        """`weight_quant` is a 4-bit format (`mxfp4`, `int4:G`; numerics/lowbit.py)."""
+        return isinstance(self.weight_quant, (Mxfp4, Int4Groups))
+
+    @property
+    def quantizes_linears(self) -> bool:
+        """Linear layers (not only routed experts) run quantised products: some product field is set and
+        `quant_scope` is `all`."""
+        return self.quantizes_products and self.quant_scope == "all"
 
     @property
     def weight_blocks(self) -> tuple[int, int] | None:
@@ -427,6 +450,19 @@ PRESETS: dict[str, NumericPolicy] = {
     "aligned-fp8": _bf16_compute(matmul_kernel="tiled:8", reduction="tree", rope_dtype="bf16",
                                  combine_weight_dtype="bf16", cross_device="ordered", dispatch="sorted",
                                  weight_quant="e4m3:16x16", act_quant="e4m3:16", delta_rule="recurrent"),
+    # 4-bit rollouts as gpt-oss, DeepSeek-V4 and Kimi K3 are served (W4A16): the serve-bf16 engine with its routed
+    # experts in MXFP4 (E2M1 elements, one E8M0 scale per 32 along the contraction), dequantised into its bf16
+    # products; trained against a bf16 trainer (train-bf16), which never sees the quantisation.
+    "serve-mxfp4": _bf16_compute(norm_dtype="bf16", router_logits_dtype="bf16", combine_weight_dtype="bf16",
+                                 combine_acc_dtype="bf16", attention="chunked:16", logits_dtype="bf16",
+                                 mla="absorbed", weight_quant="mxfp4", quant_scope="experts", delta_rule="recurrent"),
+    # The aligned answer to 4-bit rollouts (Kimi K2-Thinking's quantisation-aware training, in MXFP4): aligned-bf16
+    # with the routed experts in MXFP4 on both sides -- the engine re-quantises at every sync, the trainer's
+    # forward quantises its float32 masters with the same functions, the gradient straight through. Engine ==
+    # trainer bitwise.
+    "aligned-mxfp4": _bf16_compute(matmul_kernel="tiled:8", reduction="tree", rope_dtype="bf16",
+                                   combine_weight_dtype="bf16", cross_device="ordered", dispatch="sorted",
+                                   weight_quant="mxfp4", quant_scope="experts", delta_rule="recurrent"),
     # What an accelerator does with float32 products left at DEFAULT precision, made explicit for study: one bf16
     # pass (a TPU's DEFAULT), three bf16 passes (a TPU's HIGH), TF32 (an Ampere/Hopper GPU's DEFAULT). XLA:CPU
     # ignores the algorithm (same numbers as fp32) and JAX refuses TF32 on the CPU (docs/policies.md).

@@ -185,6 +185,44 @@ class Fp8Blocks(_PolicyValue):
 
 
 @dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class Mxfp4(_PolicyValue):
+    """`mxfp4`: a weight [K, N] in OCP Microscaling v1.0 MXFP4: float4_e2m1fn elements, one float8_e8m0fnu
+    (power-of-two) scale per 32 consecutive elements along K (`jaxalign.numerics.lowbit`)."""
+
+    def __str__(self) -> str:
+        return "mxfp4"
+
+    @property
+    def group(self) -> int:
+        """Elements per scale along the contraction (the spec's block size k = 32)."""
+        return 32
+
+    @classmethod
+    def parse(cls, text: object) -> "Mxfp4 | None":
+        """`Mxfp4()` of `mxfp4`, else None."""
+        return cls() if text == "mxfp4" else None
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
+class Int4Groups(_PolicyValue):
+    """`int4:G`: a weight [K, N] as signed 4-bit integers with one scale per G consecutive elements along K,
+    symmetric (Kimi-style W4A16; `jaxalign.numerics.lowbit`)."""
+
+    group: int
+
+    def __str__(self) -> str:
+        return f"int4:{self.group}"
+
+    @classmethod
+    def parse(cls, text: object) -> "Int4Groups | None":
+        """`Int4Groups(G)` of `int4:G` (G a positive int), else None."""
+        if not isinstance(text, str) or not text.startswith("int4:") or not text[5:].isdigit():
+            return None
+        group = int(text[5:])
+        return cls(group) if group > 0 else None
+
+
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
 class Fp8Tiles(_PolicyValue):
     """`e4m3:B`: an activation [..., K] rounded to float8_e4m3fn in 1xB tiles along K, one scale per tile,
     computed from the tile itself at run time (`jaxalign.numerics.fp8`)."""
