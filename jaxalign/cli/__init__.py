@@ -13,13 +13,14 @@ import sys
 import traceback
 
 from jaxalign import runtime
-from jaxalign.cli import check, compare, demo, experiment, golden, import_hf, localize, policies
+from jaxalign.cli import check, compare, demo, experiment, golden, import_hf, localize, policies, vllm
 from jaxalign.cli.args import UsageError, finish
 from jaxalign.distributed import initialize_from_env
+from jaxalign.engines.vllm.process import VllmUnavailable
 from jaxalign.version import __version__
 
 # the subcommands in the order `jaxalign --help` lists them
-COMMANDS = (policies, check, demo, compare, localize, experiment, import_hf, golden)
+COMMANDS = (policies, check, demo, compare, localize, experiment, import_hf, golden, vllm)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             runtime.configure(host_devices=args.host_devices)
         initialize_from_env()  # a no-op unless the environment names a multi-process job (docs/scaling.md)
         return args.func(args)
-    except UsageError as err:
+    except (UsageError, VllmUnavailable) as err:  # VllmUnavailable: one line naming what to install
         print(f"jaxalign {args.command}: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:

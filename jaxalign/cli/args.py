@@ -119,12 +119,25 @@ def load_model(args: argparse.Namespace) -> Transformer:
 
 
 def add_policy_args(p: argparse.ArgumentParser, *, trainer: str, engine: str, trainer_help: str = "trainer policy",
-                    engine_help: str = "engine policy") -> None:
-    """--trainer and --engine: policy strings, parsed once; defaults are preset names."""
+                    engine_help: str = "engine policy", external_engine: bool = False) -> None:
+    """--trainer and --engine: policy strings, parsed once; defaults are preset names. With `external_engine`,
+    --engine also takes `vllm[:DTYPE]` (`jaxalign.engines.parse_engine`: a `VllmSpec` instead of a policy)."""
     for option, default, what in (("--trainer", trainer, trainer_help), ("--engine", engine, engine_help)):
-        p.add_argument(option, type=policy_arg, default=default, metavar="POLICY",
+        external = external_engine and option == "--engine"
+        p.add_argument(option, type=engine_arg if external else policy_arg, default=default,
+                       metavar="POLICY|vllm[:DTYPE]" if external else "POLICY",
                        help=f"{what}: a preset or a policy string, e.g. {default},kernel=tiled:8 (see jaxalign "
-                            "policies)")
+                            "policies)" + ("; or vllm[:DTYPE] (DTYPE bf16, fp16, fp32): vLLM run as a separate "
+                                           "process (docs/vllm.md)" if external else ""))
+
+
+def engine_arg(text: str):
+    """An argparse type: `vllm[:DTYPE]` (a `jaxalign.engines.VllmSpec`) or a policy string (a NumericPolicy)."""
+    from jaxalign.engines import parse_engine
+    try:
+        return parse_engine(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_replay_arg(p: argparse.ArgumentParser, *, func: Callable, choices: tuple[str, ...] = REPLAY_MODES,
