@@ -128,6 +128,17 @@ def test_resume_is_exact_and_runs_are_deterministic(base, tmp_path):
     assert strip_timing(rows_resumed) == strip_timing(rows_straight)
     for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a finished run whose last row was cut mid-write after its checkpoint (a full disk, a copy cut short): the
+    # same command goes back to an older checkpoint and recomputes the lost step -- its final evaluation too --
+    # to the same bits, instead of reporting the run finished without it
+    path = tmp_path / "resumed" / "metrics.jsonl"
+    text = path.read_bytes()
+    path.write_bytes(text[:-40])
+    from jaxalign.rl import rundir
+    assert rundir.finished_rows(str(tmp_path / "resumed"), 4) is None
+    rows_repaired = Trainer(_model(base), cfg, str(tmp_path / "resumed")).run(progress=False)
+    assert strip_timing(rows_repaired) == strip_timing(rows_straight) and "eval_reward" in rows_repaired[-1]
+    assert path.read_bytes() == text
 
 
 def test_nan_guard_stops_with_a_resumable_checkpoint(base, tmp_path):
@@ -354,3 +365,19 @@ def test_lag_two_serve_bf16_splits_the_log_ratio_into_numerics_plus_staleness(ba
     assert row["rollout_corr/kl"] == pytest.approx(row["numerics/kl"] + row["staleness/kl"], rel=1e-9, abs=1e-15)
     with pytest.raises(ValueError, match="max_lag"):
         RLConfig(max_lag=-1)
+
+
+def test_minibatches_let_the_ratio_leave_one_on_an_aligned_arm(base, tmp_path):
+    """Two disjoint minibatches per batch, one optimizer step each: the second sees the updated policy, so even
+    exactly on-policy (aligned, decoupled) the step's PPO ratio is not 1 -- what one minibatch cannot show."""
+    rows = Trainer(_model(base), _config(steps=2, minibatches=2, learning_rate=3e-3),
+                   str(tmp_path / "mini")).run(progress=False)
+    steps = [r for r in rows if r["step"] > 0]
+    assert all(r["rollout_corr/k3_kl"] == 0.0 for r in steps)
+    # (a step whose first minibatch has no advantage, all its groups tied, leaves the policy unchanged)
+    assert any(r["ratio_mean"] != 1.0 and r["clip_fraction"] > 0 for r in steps), steps
+    trainer = Trainer(_model(base), _config(steps=2, minibatches=4), str(tmp_path / "rows"))
+    parts = trainer.minibatch_rows(0)
+    assert len(parts) == 4 and sorted(np.concatenate(parts).tolist()) == list(range(8))
+    with pytest.raises(ValueError, match="minibatches"):
+        _config(minibatches=3)

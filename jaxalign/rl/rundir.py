@@ -212,15 +212,22 @@ class MetricsLog:
         self.path, self.writer = path, writer
 
     def resume(self, step: int) -> list[dict]:
-        """Rows of steps <= `step` (the restored checkpoint's); the file is rewritten to hold exactly those."""
+        """The whole rows of steps 0, 1, ... up to `step` (the restored checkpoint's), stopping at the first row that
+        is torn, unreadable or out of sequence; the file is rewritten to hold exactly those. Fewer than `step` + 1
+        rows means the rows after them must be recomputed (the trainer goes back to an older state)."""
         lines = []
         if os.path.exists(self.path):
             with open(self.path) as f:
                 for line in f:
                     if not line.endswith("\n"):
-                        break  # torn by a kill mid-write: that step is recomputed
-                    if json.loads(line)["step"] <= step:
-                        lines.append(line)
+                        break  # torn by a kill mid-write (or cut later): that step is recomputed
+                    try:
+                        row_step = json.loads(line)["step"]
+                    except (ValueError, KeyError, TypeError):
+                        break
+                    if row_step != len(lines) or row_step > step:
+                        break
+                    lines.append(line)
         if self.writer:
             _write_atomic(self.path, "".join(lines))
         return [json.loads(line) for line in lines]
@@ -246,5 +253,8 @@ def finished_rows(run_dir: str, steps: int) -> list[dict] | None:
         text = f.read()
     if not text.endswith("\n"):
         return None
-    rows = [json.loads(line) for line in text.splitlines()]
-    return rows if [r["step"] for r in rows] == list(range(steps + 1)) else None
+    try:
+        rows = [json.loads(line) for line in text.splitlines()]
+        return rows if [r["step"] for r in rows] == list(range(steps + 1)) else None
+    except (ValueError, KeyError, TypeError):  # a damaged line: the run is resumed (and that step recomputed)
+        return None

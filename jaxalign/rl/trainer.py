@@ -67,7 +67,10 @@ class RLConfig:
     max_new_tokens: int = 24
     temperature: float = 1.0
     learning_rate: float = 3e-4
-    ppo_epochs: int = 1  # optimizer steps on each collected batch (PPO epochs; the first is exactly on-policy)
+    ppo_epochs: int = 1  # passes over each collected batch (PPO epochs)
+    # each pass splits the batch into this many disjoint minibatches, one optimizer step each (verl's
+    # ppo_mini_batch_size = batch / minibatches): after the first, the PPO ratio leaves 1 and the clip acts
+    minibatches: int = 1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     mode: str = DECOUPLED
@@ -89,6 +92,9 @@ class RLConfig:
     # measure the numerics/staleness split on every N-th batch (0: never). At lag > 0 it costs one more trainer
     # pass, at the older weights (on the rollout worker); at lag 0 it is free and always measured.
     split_every: int = 1
+    # at each evaluation also sample the held-out prompts from the engine (temperature `temperature`) and report
+    # their mean reward as `eval_engine_reward`: what the engine's numerics make of the policy
+    eval_sampled: bool = False
 
     def __post_init__(self):
         for side in ("trainer_policy", "engine_policy"):
@@ -104,12 +110,16 @@ class RLConfig:
             raise ValueError(f"mode = {self.mode!r}; allowed: {', '.join(MODES)}")
         check_replay(self.replay, REPLAY_MODES)
         for name in ("steps", "prompts_per_step", "max_new_tokens", "checkpoint_every", "eval_every",
-                     "eval_problems", "ppo_epochs"):
+                     "eval_problems", "ppo_epochs", "minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} = {getattr(self, name)}; allowed: >= 1")
         if not isinstance(self.split_every, int) or isinstance(self.split_every, bool) or self.split_every < 0:
             raise ValueError(f"RLConfig.split_every = {self.split_every!r}; allowed: an int >= 0 (0 = never at "
                              f"lag > 0)")
+        rows = self.prompts_per_step * self.grpo.group_size
+        if rows % self.minibatches:
+            raise ValueError(f"RLConfig.minibatches = {self.minibatches} does not divide the batch of {rows} rows "
+                             f"(prompts_per_step x group_size); allowed: a divisor of {rows}")
         if not isinstance(self.max_lag, int) or isinstance(self.max_lag, bool) or self.max_lag < 0:
             raise ValueError(f"RLConfig.max_lag = {self.max_lag!r}; allowed: an int >= 0 (0 = synchronous rollouts)")
 
@@ -131,8 +141,10 @@ class RLConfig:
             out[field.name] = value
         if not self.max_lag:  # synchronous runs record what they recorded before the field existed (they resume)
             del out["max_lag"]
-        if self.split_every == 1:  # likewise runs that measure the split on every batch
-            del out["split_every"]
+        # likewise the fields added later, at the values runs had before them
+        for name, legacy in (("split_every", 1), ("minibatches", 1), ("eval_sampled", False)):
+            if getattr(self, name) == legacy:
+                del out[name]
         return json.loads(json.dumps(out))
 
 
@@ -280,6 +292,8 @@ class Trainer:
         self.optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip,
                                         lora_only=bool(config.lora_rank), policy=self.trainer_policy)
         self.opt_state = self._shard_opt_state(self.optimizer.init(self.params))
+        # the state a run starts from (immutable arrays): where a run goes back to when its rows are not all there
+        self._start = {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state}
         self.width = self.task.prompt_width + config.max_new_tokens
         self.step = 0
         from jaxalign.distributed import is_primary
@@ -337,6 +351,27 @@ class Trainer:
         latest = self.checkpoints.latest_step()
         if latest is None:
             return False
+        self.restore(latest)
+        return True
+
+    def rewind(self, step: int) -> None:
+        """Go back to the newest state at or before `step`: a checkpoint, or the run's start when none is that old
+        (checkpoints past it are deleted, so the steps after it are recomputed and saved again)."""
+        usable = [s for s in self.checkpoints.all_steps() if s <= step]
+        for later in [s for s in self.checkpoints.all_steps() if s > (max(usable) if usable else -1)]:
+            self.checkpoints.delete(later)
+        if usable:
+            self.restore(max(usable))
+            return
+        self._drop_pending()
+        nnx.replace_by_pure_dict(self.params, self._start["params"])
+        self.opt_state, self.step = self._start["opt_state"], 0
+        self.behaviour = {0: self.params}
+        nnx.update(self.model, self.params)
+        self.engine.sync_weights(self.model)
+
+    def restore(self, latest: int) -> None:
+        """Resume from the checkpoint of step `latest`."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._state_tree(latest))
         restored = self.checkpoints.restore(latest, args=ocp.args.StandardRestore(abstract))
         self._drop_pending()
@@ -350,7 +385,6 @@ class Trainer:
             self.behaviour[int(key[1:])] = version
         nnx.update(self.model, self.params)
         self.engine.sync_weights(self.model)
-        return True
 
     # --- asynchronous rollouts ------------------------------------------------------------------------------
     def _drop_pending(self) -> None:
@@ -517,9 +551,16 @@ class Trainer:
         else:
             batch, rollout_metrics = self.collect()
         params, opt_state = self.params, self.opt_state
-        for _ in range(self.config.ppo_epochs):
-            params, opt_state, update_metrics = self._apply_update(batch, params, opt_state)
-        loss, gnorm = float(update_metrics["loss"]), float(update_metrics["grad_norm"])
+        steps_metrics = []
+        for epoch in range(self.config.ppo_epochs):
+            for rows in self.minibatch_rows(epoch):
+                part = batch if rows is None else jax.tree.map(lambda a: a[rows], batch)
+                params, opt_state, metrics = self._apply_update(part, params, opt_state)
+                steps_metrics.append(metrics)
+        # each statistic's mean over the step's optimizer steps (the first minibatch's ratio is exactly 1 when
+        # on-policy; the clip acts on the later ones)
+        update_metrics = {name: float(np.mean([float(m[name]) for m in steps_metrics])) for name in steps_metrics[0]}
+        loss, gnorm = update_metrics["loss"], update_metrics["grad_norm"]
         if not (np.isfinite(loss) and np.isfinite(gnorm)):
             if self.checkpoints.latest_step() != self.step:
                 self.save()  # the state before this update: resumable
@@ -534,7 +575,7 @@ class Trainer:
             self.behaviour[self.step] = self.params
             self.behaviour = {v: p for v, p in self.behaviour.items() if v >= behaviour_version(self.step, k)}
             self._schedule()  # the worker starts on the batches these weights generate
-        stats = {name: float(v) for name, v in update_metrics.items() if name not in ("loss", "grad_norm")}
+        stats = {name: v for name, v in update_metrics.items() if name not in ("loss", "grad_norm")}
         return {"step": self.step, **{k: rollout_metrics[k] for k in ("reward_mean", "reward_correct_fraction",
                                                                        "response_length")},
                 "loss": loss, "grad_norm": gnorm, **stats,
@@ -543,6 +584,16 @@ class Trainer:
                 "route_token_any_flip": rollout_metrics["route_token_any_flip"],
                 **{name: v for name, v in rollout_metrics.items()
                    if name in ("behaviour_version", "lag") or name.startswith(("numerics/", "staleness/"))}}
+
+    def minibatch_rows(self, epoch: int) -> list[np.ndarray | None]:
+        """The rows of each minibatch of the current step's batch in pass `epoch`: [None] (the whole batch) with
+        one minibatch; else a permutation seeded by (seed, step, epoch), cut into `minibatches` equal parts."""
+        cfg = self.config
+        if cfg.minibatches == 1:
+            return [None]
+        rows = cfg.prompts_per_step * cfg.grpo.group_size
+        order = np.random.default_rng([cfg.seed, self.step, epoch, 7919]).permutation(rows)
+        return list(order.reshape(cfg.minibatches, -1))
 
     def evaluate(self) -> float:
         """Mean reward of greedy completions on the held-out items, decoded under the trainer's policy (the same
@@ -556,6 +607,24 @@ class Trainer:
         # order showed a 'rise' of 3e-8
         return float(rewards_of(rollout, self.eval_items, self.task).mean(dtype=np.float64))
 
+    def evaluate_sampled(self) -> float:
+        """Mean reward of completions sampled by the rollout engine (at `temperature`, seeded by (seed, step)) on
+        the held-out items: the policy as the engine's numerics deliver it."""
+        cfg = self.config
+        rollout = self.engine.generate([self.task.prompt(p) for p in self.eval_items],
+                                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                       eos_id=tokenizer.EOS, seed=cfg.seed * 1_000_003 + 500_009 + self.step,
+                                       batch_size=cfg.engine_batch)
+        return float(rewards_of(rollout, self.eval_items, self.task).mean(dtype=np.float64))
+
+    def _evaluations(self) -> dict:
+        """The evaluation row entries: `eval_reward` (greedy, trainer's policy) and, with `eval_sampled`,
+        `eval_engine_reward`."""
+        out = {"eval_reward": self.evaluate()}
+        if self.config.eval_sampled:
+            out["eval_engine_reward"] = self.evaluate_sampled()
+        return out
+
     # --- the loop -------------------------------------------------------------------------------------------
     def run(self, *, resume: bool = True, progress: bool = True, stop_after: int | None = None) -> list[dict]:
         """Train to `config.steps` (or stop after `stop_after` more steps, to test resumption); returns all
@@ -568,6 +637,11 @@ class Trainer:
             self.restore_latest()
         log = rundir.MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"), writer=self.primary)
         rows = log.resume(self.step)
+        if self.step > 0 and len(rows) < self.step + 1:
+            # the checkpoint is ahead of the rows: a row was torn or cut after its checkpoint was written (a full
+            # disk, a copy cut short). Go back to a state whose rows are all there and recompute the rest.
+            self.rewind(len(rows) - 1)
+            rows = log.resume(self.step)
         if jax.process_count() > 1:  # every process continues from the same rows
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"metrics resumed at step {self.step}")
@@ -586,7 +660,7 @@ class Trainer:
 
         if self.step == 0 and not rows:
             start = time.perf_counter()
-            emit({"step": 0, "eval_reward": self.evaluate()}, time.perf_counter() - start)
+            emit({"step": 0, **self._evaluations()}, time.perf_counter() - start)
         last = self.config.steps if stop_after is None else min(self.config.steps, self.step + stop_after)
         bar = tqdm(total=last, initial=self.step, desc=os.path.basename(self.run_dir),
                    disable=not (progress and self.primary))
@@ -595,7 +669,7 @@ class Trainer:
                 start = time.perf_counter()
                 row = self.train_step()
                 if self.step % self.config.eval_every == 0 or self.step == self.config.steps:
-                    row["eval_reward"] = self.evaluate()
+                    row.update(self._evaluations())
                 emit(row, time.perf_counter() - start)
                 if self.step % self.config.checkpoint_every == 0 or self.step == last:
                     self.save()
