@@ -13,6 +13,7 @@ from jaxalign.rl.experiment import SUMMARY_COLUMNS, ExperimentConfig, run_experi
 from jaxalign.rl.sft import ANSWERS as SFT_ANSWERS, SFTConfig, parse_answers as parse_sft_answers
 from jaxalign.rl.staleness_study import LAGS, StalenessConfig, grid_markdown, run_grid, write_grid_report
 from jaxalign.rl.study import StudyConfig, default_experiment, run_study, study_markdown, write_report
+from jaxalign.rl import lowbit_study
 
 
 def _arms(args):
@@ -119,6 +120,41 @@ def add_parser(sub) -> None:
     e.set_defaults(func=run)
     add_study_parser(esub)
     add_staleness_parser(esub)
+    add_lowbit_parser(esub)
+
+
+def run_lowbit_command(args) -> int:
+    """Run (or only report, --report) the low-bit study in --out and print its table and verdict."""
+    if args.report:
+        result = lowbit_study.write_report(args.out)
+    else:
+        planned = lowbit_study.default_experiment()
+        exp = lowbit_study.default_experiment(seeds=tuple(args.seeds) if args.seeds is not None else planned.seeds,
+                                              steps=args.steps or planned.steps)
+        output_dir(args.out)
+        result = lowbit_study.run_lowbit(exp, args.out, progress=not args.json, jobs=args.jobs,
+                                         only=tuple(args.only) if args.only else None)
+    print(report.to_json(result) if args.json else lowbit_study.markdown(result))
+    return 0
+
+
+def add_lowbit_parser(esub) -> None:
+    """`jaxalign experiment lowbit`: the low-bit study (jaxalign.rl.lowbit_study)."""
+    s = esub.add_parser("lowbit", help="low-bit rollouts: FP8 and MXFP4 engines against one bf16 trainer, "
+                                       "uncorrected / bypass / R3 / verl-corrected / re-fitted 45%% band / "
+                                       "random-drop control / quantisation-aware aligned arm, minibatched GRPO "
+                                       "on Countdown with worked steps")
+    exp = lowbit_study.default_experiment()
+    s.add_argument("--out", required=True, help="study directory (resumes runs found there)")
+    s.add_argument("--seeds", type=int_list_nonneg, default=None, help=f"seeds (default {_ints_text(exp.seeds)})")
+    s.add_argument("--steps", type=positive_int, default=None, help=f"RL steps of each run (default {exp.steps})")
+    s.add_argument("--only", type=str_list, default=None,
+                   help="run only these arms (comma-separated names, as lowbit.md lists them); default: all")
+    s.add_argument("--report", action="store_true",
+                   help="train nothing: rebuild lowbit.json, lowbit.md and the plots from the directory's files")
+    add_jobs_arg(s)
+    add_json_arg(s)
+    s.set_defaults(func=run_lowbit_command)
 
 
 def add_jobs_arg(parser) -> None:

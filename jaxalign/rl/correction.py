@@ -16,7 +16,10 @@ re-implementation of its helper in tests/test_correction_parity.py:
 - Rejection sampling (`rs`, each entry "mode:threshold", AND of all; it edits the accepted mask, never the
   weights): token_k1 and seq_sum_k1 / seq_mean_k1 bound k1 = -log ratio = log(pi_rollout / pi_old) to the ratio
   band "lo_hi" (a single u meaning [1/u, u]); token_k2|k3, seq_sum_k2|k3, seq_mean_k2|k3 and seq_max_k2|k3 take
-  an upper bound. "Geometric" RS is seq_mean_k1 with 0.999_1.001.
+  an upper bound. "Geometric" RS is seq_mean_k1 with 0.999_1.001. Extension, not in verl: a sequence rule's
+  threshold `top:F` re-fits the band on every batch so that the fraction F of the valid sequences furthest from
+  the engine is rejected (|k1|, or k2 / k3; `rollout_rs_<mode>_fitted_band` reports the band) -- a ~45% band
+  that follows the policy instead of one fitted once at the start.
 - Metrics (prefix `rollout_corr/`): verl's off-policy metrics (`metrics.mismatch.verl_offpolicy_metrics`); its IS
   metrics, computed on the weights before truncation (`rollout_is_mean/min/max`, the fractions beyond the
   thresholds, per-sequence statistics), with `rollout_is_std` and `rollout_is_eff_sample_size` on the weights
@@ -80,6 +83,18 @@ def _band(text: str) -> tuple[float, float]:
     return values[0], values[1]
 
 
+def _top_fraction(text: str) -> float:
+    """F of a `top:F` threshold (0 < F < 1): reject that fraction of the sequences, those furthest from the
+    engine (largest |k1|, largest k2 / k3), with the band re-fitted on every batch."""
+    try:
+        fraction = float(text[len("top:"):]) if text.startswith("top:") else -1.0
+    except ValueError:
+        fraction = -1.0
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"threshold {text!r}: allowed top:F with 0 < F < 1 (e.g. top:0.45)")
+    return fraction
+
+
 @dataclasses.dataclass(frozen=True)
 class CorrectionConfig:
     """verl-style rollout correction settings (see module docstring)."""
@@ -108,7 +123,12 @@ class CorrectionConfig:
             mode, sep, threshold = item.partition(":")
             if mode not in RS_MODES or not sep:
                 raise ValueError(f"rejection rule {item!r}; allowed: MODE:THRESHOLD with MODE in {', '.join(RS_MODES)}")
-            if mode.endswith("k1"):
+            if threshold.startswith("top"):
+                if mode.startswith("token"):
+                    raise ValueError(f"rejection rule {item!r}: a top:F threshold (re-fitted each batch) is for the "
+                                     f"sequence rules; allowed modes: {', '.join(m for m in RS_MODES if m[:3] == 'seq')}")
+                _top_fraction(threshold)
+            elif mode.endswith("k1"):
                 _band(threshold)
             else:
                 try:
@@ -230,7 +250,20 @@ def _rule(mode: str, threshold: str, log_ratio: np.ndarray, mask: np.ndarray) ->
             seq = _masked_mean(value, mask, axis=1) if kind == "seq_mean" else np.sum(np.where(mask, value, 0.0),
                                                                                       axis=1)
         value = np.broadcast_to(seq[:, None], log_ratio.shape)
-    if estimator == "k1":
+    if threshold.startswith("top"):
+        # a band re-fitted on this batch: the round(F * n) valid sequences furthest from the engine (|k1|, or k2 /
+        # k3) are rejected, ties going to the later row; the band's edge is the largest distance kept
+        valid_rows = mask.any(1)
+        distance = np.where(valid_rows, np.abs(seq) if estimator == "k1" else seq, -np.inf)
+        n_reject = int(round(_top_fraction(threshold) * valid_rows.sum()))
+        order = np.lexsort((-np.arange(len(distance)), -distance))  # furthest first; among equals, later rows
+        rejected_rows = np.zeros(len(distance), bool)
+        rejected_rows[order[:n_reject]] = True
+        kept = distance[valid_rows & ~rejected_rows]
+        edge = float(kept.max()) if kept.size else 0.0
+        low, high = (-edge, edge) if estimator == "k1" else (0.0, edge)
+        keep = np.broadcast_to(~rejected_rows[:, None], log_ratio.shape)
+    elif estimator == "k1":
         low, high = _band(threshold)  # compared in log space with math.log, as verl does
         low, high = (math.log(low) if low > 0 else -math.inf), math.log(high)
         keep = (value >= low) & (value <= high)
@@ -258,6 +291,8 @@ def _rule(mode: str, threshold: str, log_ratio: np.ndarray, mask: np.ndarray) ->
                   "seq_max_deviation": np.abs(seq_valid).max(), "seq_fraction_high": np.mean(seq_valid > high)})
     if estimator == "k1":
         stats["seq_fraction_low"] = np.mean(seq_valid < low)
+    if threshold.startswith("top"):
+        stats["fitted_band"] = math.exp(high) if estimator == "k1" else high  # the ratio band [1/u, u] it fitted
     return keep, {k: float(v) for k, v in stats.items()}
 
 

@@ -57,9 +57,46 @@ class Problem:
     target: int
     solution: str
 
-    def prompt(self) -> str:
-        """The prompt text: numbers, an arrow and the target, then the opening answer tag."""
-        return f"{','.join(map(str, self.numbers))}={self.target}:<answer>"
+    def prompt(self, answer_format: str = "bare") -> str:
+        """The prompt text: numbers, `=` and the target, `:`, then (`bare`) the opening answer tag; in the `steps`
+        format the completion writes its worked steps before opening the tag itself."""
+        check_answer_format(answer_format)
+        head = f"{','.join(map(str, self.numbers))}={self.target}:"
+        return head + OPEN if answer_format == "bare" else head
+
+
+# How a completion is laid out (`completion_text`): `bare` = the expression and the closing tag (the prompt opened
+# it); `steps` = the worked steps, each operation with its value ("3+5=8 8*7=56"), then the answer in its tags
+# ("3+5=8 8*7=56 <answer>(3+5)*7</answer>"), as a reasoning trace before TinyZero's answer. The reward reads the
+# answer only (TinyZero's), so the steps are the model's own business, as its <think> is in TinyZero.
+ANSWER_FORMATS = ("bare", "steps")
+
+
+def check_answer_format(answer_format: str) -> None:
+    """A clear error for an unknown answer format."""
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format = {answer_format!r}; allowed: {', '.join(ANSWER_FORMATS)}")
+
+
+def _value_text(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+def worked_steps(expression: str) -> str:
+    """The operations of `expression` in the order they are evaluated, each as `a op b=c` (values exact: a
+    fraction as `p/q`), space-separated: "(3+5)*7" -> "3+5=8 8*7=56"; "" for a single number."""
+    parser = _Parser(expression)
+    parser.parse()
+    return " ".join(f"{_value_text(a)}{op}{_value_text(b)}={_value_text(c)}" for a, op, b, c in parser.steps)
+
+
+def completion_text(expression: str, answer_format: str = "bare") -> str:
+    """What a completion answering `expression` looks like in `answer_format` (see ANSWER_FORMATS)."""
+    check_answer_format(answer_format)
+    if answer_format == "bare":
+        return expression + CLOSE
+    steps = worked_steps(expression)
+    return f"{steps} {OPEN}{expression}{CLOSE}" if steps else f"{OPEN}{expression}{CLOSE}"
 
 
 def _expressions(values: list[tuple[Fraction, str]]):
@@ -233,6 +270,7 @@ class _Parser:
         self.tokens = _tokens(text)
         self.pos = 0
         self.literals: list[int] = []
+        self.steps: list[tuple[Fraction, str, Fraction, Fraction]] = []  # (a, op, b, a op b) in evaluation order
 
     def parse(self) -> Fraction:
         value = self._sum(0)
@@ -249,7 +287,9 @@ class _Parser:
             op = self.tokens[self.pos]
             self.pos += 1
             rhs = self._product(depth)
-            value = value + rhs if op == "+" else value - rhs
+            result = value + rhs if op == "+" else value - rhs
+            self.steps.append((value, op, rhs, result))
+            value = result
         return value
 
     def _product(self, depth):
@@ -259,11 +299,13 @@ class _Parser:
             self.pos += 1
             rhs = self._unary(depth)
             if op == "*":
-                value = value * rhs
+                result = value * rhs
             elif rhs == 0:
                 raise ZeroDivisionError
             else:
-                value = value / rhs
+                result = value / rhs
+            self.steps.append((value, op, rhs, result))
+            value = result
         return value
 
     def _unary(self, depth):

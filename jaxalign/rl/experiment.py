@@ -60,12 +60,15 @@ class ExperimentConfig:
     sft: SFTConfig = SFTConfig(steps=900, problems=12000, answers="habit:0.3:/", max_new_tokens=16)
     trainer_mesh: str = ""  # e.g. "data=2,expert=2,tensor=2"; "" = one device
     engine_mesh: str = ""
+    minibatches: int = 1  # disjoint minibatches per collected batch, one optimizer step each (RLConfig.minibatches)
+    answer_format: str = "bare"  # `countdown.ANSWER_FORMATS`: bare, or steps (worked steps before the answer)
+    eval_sampled: bool = False  # also evaluate held-out reward sampled from each arm's engine (RLConfig)
 
     def __post_init__(self):
         object.__setattr__(self, "arms", parse_arms(self.arms))
         object.__setattr__(self, "sft", dataclasses.replace(
             self.sft, problem_count=tuple(self.problem_count), max_number=self.max_number,
-            max_target=self.max_target, held_out=self.held_out))
+            max_target=self.max_target, held_out=self.held_out, answer_format=self.answer_format))
         if not self.seeds:
             raise ValueError("at least one seed is needed")
         if len(set(self.seeds)) != len(self.seeds):
@@ -87,12 +90,15 @@ class ExperimentConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["arms"] = [arm.spec() for arm in self.arms]
         out["sft"] = self.sft.to_dict()
+        for name, legacy in (("minibatches", 1), ("answer_format", "bare"), ("eval_sampled", False)):
+            if out[name] == legacy:  # as experiments recorded their settings before these fields existed
+                del out[name]
         return json.loads(json.dumps(out))
 
     def task(self) -> CountdownTask:
         """The Countdown task every arm trains on."""
         return CountdownTask(count=tuple(self.problem_count), high=self.max_number, max_target=self.max_target,
-                             eval_size=self.eval_problems, held_out=self.held_out)
+                             eval_size=self.eval_problems, held_out=self.held_out, answer_format=self.answer_format)
 
 
 def run_config(exp: ExperimentConfig, arm: Arm, seed: int) -> RLConfig:
@@ -102,7 +108,7 @@ def run_config(exp: ExperimentConfig, arm: Arm, seed: int) -> RLConfig:
     default = CorrectionConfig(is_threshold=exp.is_threshold, rs=tuple(exp.rs))
     return arm.apply(RLConfig(**arm.settings(default), steps=exp.steps, prompts_per_step=exp.prompts_per_step,
                     max_new_tokens=exp.max_new_tokens, learning_rate=exp.learning_rate,
-                    ppo_epochs=exp.ppo_epochs,
+                    ppo_epochs=exp.ppo_epochs, minibatches=exp.minibatches, eval_sampled=exp.eval_sampled,
                     grpo=GRPOConfig(group_size=exp.group_size), seed=seed, eval_every=exp.eval_every,
                     eval_problems=exp.eval_problems, problem_count=tuple(exp.problem_count),
                     checkpoint_every=max(1, exp.steps // 3), trainer_mesh=exp.trainer_mesh,

@@ -40,10 +40,12 @@ class SFTConfig:
     max_number: int = 9  # problems' numbers lie in 1..max_number
     max_target: int = 99
     held_out: float = 0.0  # the task's held-out fraction: the warm start never trains on a held-out problem
+    answer_format: str = "bare"  # the task's (`countdown.ANSWER_FORMATS`): the traces are laid out as it answers
 
     def __post_init__(self):
         object.__setattr__(self, "policy", NumericPolicy.coerce(self.policy, label="SFTConfig.policy"))
         parse_answers(self.answers)
+        countdown.check_answer_format(self.answer_format)
 
     def check_batches(self) -> None:
         """Training needs `problems` >= `batch_size` (each step draws a batch without replacement)."""
@@ -53,7 +55,10 @@ class SFTConfig:
 
     def to_dict(self) -> dict:
         """JSON-ready form; the policy as compact text (`NumericPolicy.compact`)."""
-        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "policy": self.policy.compact()}
+        out = {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "policy": self.policy.compact()}
+        if self.answer_format == "bare":  # as warm starts (and their cache keys) were before the field existed
+            del out["answer_format"]
+        return out
 
 
 # What the warm start is trained to answer:
@@ -109,8 +114,8 @@ def sft_problems(cfg: SFTConfig) -> list[countdown.Problem]:
 
 
 def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Token sequences [N, W] (prompt + answer + </answer> + eos; the answer as `cfg.answers` says: see ANSWERS)
-    and the mask of target positions [N, W-1]."""
+    """Token sequences [N, W] (prompt + completion + eos: the answer as `cfg.answers` says, see ANSWERS, laid out
+    in `cfg.answer_format`, `countdown.completion_text`) and the mask of target positions [N, W-1]."""
     width = PROMPT_WIDTH + cfg.max_new_tokens
     problems = sft_problems(cfg)
     rng = np.random.default_rng(cfg.seed)
@@ -118,14 +123,14 @@ def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:
     tokens = np.zeros((len(problems), width), np.int32)
     mask = np.zeros((len(problems), width - 1), bool)
     for i, p in enumerate(problems):
-        prompt = tokenizer.encode(p.prompt(), bos=True)
+        prompt = tokenizer.encode(p.prompt(cfg.answer_format), bos=True)
         if mode == "random":
             text = random_expression(p.numbers, rng)
         elif mode == "habit" and rng.random() >= solution_share:
             text = habit_expression(p.numbers, habit_op)
         else:
             text = p.solution
-        answer = tokenizer.encode(text + "</answer>", eos=True)
+        answer = tokenizer.encode(countdown.completion_text(text, cfg.answer_format), eos=True)
         if len(prompt) > PROMPT_WIDTH or len(answer) > cfg.max_new_tokens:
             raise ValueError(f"problem {p} does not fit the prompt width / max_new_tokens")
         tokens[i, : len(prompt) + len(answer)] = prompt + answer

@@ -61,12 +61,14 @@ class CountdownTask:
     eval_size: int = 64
     prompt_width: int = PROMPT_WIDTH
     held_out: float = 0.0
+    answer_format: str = "bare"  # `countdown.ANSWER_FORMATS`: bare (prompt opens <answer>) or steps (worked steps)
 
     def __post_init__(self):
         countdown.generate_problems(1, seed=0, count=tuple(self.count), low=self.low, high=self.high,
                                     max_target=self.max_target)  # validates the ranges
         if not 0.0 <= self.held_out < 1.0:
             raise ValueError(f"held_out = {self.held_out}; allowed: 0 <= held_out < 1 (the held-out fraction)")
+        countdown.check_answer_format(self.answer_format)
         if self.eval_size < 1:
             raise ValueError(f"eval_size = {self.eval_size}; allowed: >= 1")
 
@@ -87,16 +89,23 @@ class CountdownTask:
                                            low=self.low, high=self.high, max_target=self.max_target)
 
     def prompt(self, item: countdown.Problem) -> list[int]:
-        """<bos> + "numbers=target:<answer>"."""
-        ids = tokenizer.encode(item.prompt(), bos=True)
+        """<bos> + "numbers=target:<answer>" (`steps`: without the tag)."""
+        text = item.prompt(self.answer_format)
+        ids = tokenizer.encode(text, bos=True)
         if len(ids) > self.prompt_width:
-            raise ValueError(f"prompt {item.prompt()!r} has {len(ids)} tokens > prompt_width {self.prompt_width}")
+            raise ValueError(f"prompt {text!r} has {len(ids)} tokens > prompt_width {self.prompt_width}")
         return ids
 
     def reward(self, item: countdown.Problem, completion: Sequence[int]) -> float:
-        """TinyZero's Countdown reward (`countdown.score`): 1 correct, 0.1 well-formed, 0 otherwise."""
-        return countdown.score(item.numbers, item.target, "<answer>" + tokenizer.decode(list(completion)))
+        """TinyZero's Countdown reward (`countdown.score`): 1 correct, 0.1 well-formed, 0 otherwise -- on the
+        completion with the prompt's opening tag (`bare`) or as it is (`steps`: it opens the tag itself)."""
+        text = tokenizer.decode(list(completion))
+        return countdown.score(item.numbers, item.target, countdown.OPEN + text if self.answer_format == "bare"
+                               else text)
 
     def describe(self) -> dict:
-        """The task's settings."""
-        return {"name": "countdown", **dataclasses.asdict(self)}
+        """The task's settings (the answer format only when it is not `bare`: what runs recorded before it)."""
+        out = {"name": "countdown", **dataclasses.asdict(self)}
+        if self.answer_format == "bare":
+            del out["answer_format"]
+        return out
