@@ -138,3 +138,19 @@ def test_a_held_out_split_of_a_large_space_is_sampled_and_still_disjoint_from_tr
     assert not any(countdown.is_held_out(p.numbers, p.target, 0.1) for p in train)
     with pytest.raises(ValueError, match="limit"):
         countdown.held_out_problems(0.1, count=(3, 3), high=60)
+
+
+def test_reachable_targets_are_every_expressions_values():
+    """The memoised split-based enumeration gives the targets of every expression tree (`_expressions`, the
+    brute force `solve` walks), on random multisets of 2-4 numbers with zeros and repeats."""
+    import random
+    from fractions import Fraction
+
+    from jaxalign.rl import countdown
+
+    rng = random.Random(0)
+    for _ in range(30):
+        numbers = tuple(rng.randint(0, 15) for _ in range(rng.randint(2, 4)))
+        brute = {int(v) for v, _ in countdown._expressions([(Fraction(x), "") for x in numbers])
+                 if v.denominator == 1 and 1 <= v <= 150}
+        assert countdown.reachable_targets(numbers, 150) == sorted(brute), numbers

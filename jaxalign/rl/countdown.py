@@ -31,6 +31,7 @@ Deliberate differences (each pinned by a test; TinyZero's verdict differs only o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import math
@@ -164,8 +165,30 @@ def check_ranges(count, low: int, high: int) -> None:
 
 def reachable_targets(numbers, max_target: int) -> list[int]:
     """The integer targets in [1, max_target] that some expression over all of `numbers` reaches, sorted."""
-    values = [v for v, _ in _expressions([(Fraction(x), "") for x in numbers])]
+    values = _values(tuple(sorted(numbers)))
     return sorted({int(v) for v in values if v.denominator == 1 and 1 <= v <= max_target})
+
+
+@functools.lru_cache(maxsize=65536)
+def _values(numbers: tuple[int, ...]) -> frozenset:
+    """Every value of an expression using each of `numbers` (sorted) once with + - * /: the root of any such
+    expression splits the numbers into two non-empty parts, so the values are those of every split's two sides
+    combined (the same set `_expressions` enumerates, memoised on the sorted numbers)."""
+    if len(numbers) == 1:
+        return frozenset({Fraction(numbers[0])})
+    out = set()
+    n = len(numbers)
+    for mask in range(1, 2 ** (n - 1)):  # the last number always on the right: each split once
+        left = tuple(numbers[i] for i in range(n) if mask >> i & 1)
+        right = tuple(numbers[i] for i in range(n) if not mask >> i & 1)
+        for a in _values(left):
+            for b in _values(right):
+                out.update((a + b, a - b, b - a, a * b))
+                if b:
+                    out.add(a / b)
+                if a:
+                    out.add(b / a)
+    return frozenset(out)
 
 
 def is_held_out(numbers, target: int, fraction: float) -> bool:
