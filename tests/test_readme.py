@@ -99,7 +99,7 @@ def test_a_changed_result_changes_the_readme_table(tmp_path):
 def test_readme_test_command_is_the_one_ci_runs():
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = f.read()
-    command = 'pip install -e ".[test,hf]" && python -m pytest -q'
+    command = 'pip install -e ".[test,hf]" && jaxalign vllm install && python -m pytest -q'
     assert command in ci
     assert f"```bash\n{command}\n```" in _readme()
 

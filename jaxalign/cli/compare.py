@@ -11,6 +11,7 @@ from jaxalign.cli.args import (COMMAND_MODEL, GAP_PAIR, UsageError, add_generati
                                param_default, positive_int, str_list)
 from jaxalign.engine.engine import SCHEDULES
 from jaxalign.engines import VllmSpec, open_engine
+from jaxalign.engines.vllm.process import require_installed
 
 COMPARE_COLUMNS = ["engine_batch", "kl", "k3_kl", "chi2_token", "max_abs_logp_diff", "bitwise_equal_fraction",
                    "route_flip_rate", "route_token_any_flip", "n_tokens"]
@@ -34,7 +35,8 @@ def open_external(args, model):
 
 def gap_table(result: dict) -> str:
     """The runs of an external-engine comparison as a table under verl's names."""
-    return report.table(result["runs"], list(external.GAP_COLUMNS))
+    return report.table(result["runs"], list(external.GAP_COLUMNS) + (["status"] if "status" in result["runs"][0]
+                                                                     else []))
 
 
 def run_external(args) -> int:
@@ -45,6 +47,7 @@ def run_external(args) -> int:
                                             "--behaviour-model": (args.behaviour_model, None),
                                             "--trainer-mesh": (args.trainer_mesh, None),
                                             "--engine-mesh": (args.engine_mesh, None)})
+    require_installed()  # before the model loads
     model = load_model(args)
     rollouts: list = []
     engine = open_external(args, model)
@@ -61,7 +64,7 @@ def run_external(args) -> int:
         print(report.to_json(result))
         return 0
     e = result["engine"]
-    print(f"model {args.model} ({result['config_fingerprint']}), trainer {result['trainer']}, engine {e['name']} "
+    print(f"model {args.model} ({result['config_fingerprint']}), trainer {args.trainer.compact()}, engine {e['name']} "
           f"{e['version']} ({e['numerics']}); routing {result['routing']}")
     print(gap_table(result))
     print(f"across engine batches: same tokens {result['across_batches']['same_tokens']}, same logprob bits "
@@ -69,7 +72,7 @@ def run_external(args) -> int:
     if "ranking" in result:
         r = result["ranking"]
         print(f"\nnearest jaxalign policy to {e['name']}'s logprobs: {r['nearest']} (k3 {r['remaining_k3_kl']:.3g} "
-              f"remains; trainer {r['trainer']} at k3 {r['trainer_k3_kl']:.3g})")
+              f"remains; trainer {args.trainer.compact()} at k3 {r['trainer_k3_kl']:.3g})")
         print(report.table(r["presets"], ["policy", "k3_kl", "kl", "max_abs_logp_diff", "bitwise_equal_fraction"]))
         print(f"\none field of {r['nearest']} set on the trainer:")
         print(report.table(r["single_fields"], ["field", "trainer", "nearest", "k3_kl", "k3_kl_change"]))

