@@ -6,6 +6,7 @@ in docs/lowbit/."""
 import dataclasses
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -83,6 +84,11 @@ def test_statistics():
                                               enumerate([0.3, 0.5, 0.4, 0.35, 0.3, 0.33])])
     assert not lowbit_study.heldout_collapse([{"step": s, "eval_reward": v} for s, v in
                                               enumerate([0.3, 0.2, 0.1, 0.1])])  # never rose: no peak
+    # the seed-regime study's corrected seed 0, which the training-reward rule called healthy
+    from jaxalign.rl.study import collapse_step, finished_runs
+    study = os.path.join(os.path.dirname(__file__), "..", "docs", "study")
+    seed0 = finished_runs(study, 100)[("k3-1.3e-02.corrected", 0)]
+    assert lowbit_study.heldout_collapse(seed0) and collapse_step(seed0) is None
 
 
 @pytest.mark.slow

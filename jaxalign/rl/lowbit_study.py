@@ -18,7 +18,7 @@ Design (each point answers a flaw of the seed-regime study, `jaxalign.rl.study`,
   and a control that drops exactly that share of sequences at random (`drop:0.45`), so it differs from the
   re-fitted arm only in *which* sequences go.
 - **Collapse judged on held-out reward** (`heldout_collapse`: the held-out reward peaked above its warm start and
-  ends below it), beside the training-reward rule; evaluation greedy under the trainer *and* sampled from the
+  its last evaluation is below it), beside the training-reward rule; evaluation greedy under the trainer *and* sampled from the
   arm's engine (`eval_engine_reward`).
 - **Statistics**: each arm against the aligned arm -- final held-out reward (exact permutation test) and collapses
   on either rule (Fisher's exact test) -- with Holm's correction across the arms, the smallest p the seeds can
@@ -135,10 +135,10 @@ def _note_commit(out_dir: str) -> None:
 
 def heldout_collapse(rows: list[dict]) -> bool:
     """Collapse on held-out reward: the greedy held-out reward rose above its warm start at some evaluation and
-    the final figure (the mean of the last `FINAL_EVALS` evaluations) is below the warm start."""
+    the last evaluation is below the warm start (the seed-regime study's corrected seed 0, 0.258 -> 0.58 ->
+    0.194, is one; its training reward stayed above half its best, so the training-reward rule missed it)."""
     evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
-    final = float(np.mean(evals[-FINAL_EVALS:]))
-    return max(evals[1:], default=-math.inf) > evals[0] and final < evals[0]
+    return max(evals[1:-1], default=-math.inf) > evals[0] and evals[-1] < evals[0]
 
 
 def run_figures(rows: list[dict]) -> dict:
@@ -296,7 +296,7 @@ def markdown(result: dict) -> str:
             f"{s['prompts_per_step']} problems x {s['group_size']} samples per step in {s['minibatches']} "
             f"minibatches. Rewards: held-out, greedy under the trainer (final = mean of the last {FINAL_EVALS} "
             f"evaluations); `engine_final_reward` sampled from the arm's engine. Held-out collapse: peaked above "
-            f"the warm start, ends below it. p-values: permutation test against aligned, Holm-adjusted across "
+            f"the warm start, last evaluation below it. p-values: permutation test against aligned, Holm-adjusted across "
             f"arms.\n\n## Arms\n\n{arms}\n## Results\n\n{head}{body}\n## Verdict\n\n"
             + "".join(f"- {line}\n" for line in result["verdict"]))
 
