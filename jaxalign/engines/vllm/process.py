@@ -29,6 +29,10 @@ class VllmUnavailable(RuntimeError):
     """vLLM is not installed where jaxalign looks, or its worker failed to start: the message is one line naming
     what to install or what failed (the `jaxalign` command reports it with exit code 2)."""
 
+    def __init__(self, message: str):
+        text = " ".join(str(message).split())  # one line, whatever vLLM's own message held
+        super().__init__(text if len(text) <= 600 else text[:597] + "...")
+
 
 class WorkerError(RuntimeError):
     """The worker answered a request with an error, or died while answering."""
