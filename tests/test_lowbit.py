@@ -243,14 +243,16 @@ def test_serve_mxfp4_gap_exceeds_serve_bf16():
 
 
 @pytest.mark.bitwise
-@pytest.mark.parametrize("schedule", ["static", "continuous"])
-def test_aligned_mxfp4_engine_equals_trainer(schedule):
+@pytest.mark.parametrize("schedule, policy_text", [("static", "aligned-mxfp4"), ("continuous", "aligned-mxfp4"),
+                                                   ("static", "aligned-bf16,wq=mxfp4")])
+def test_aligned_mxfp4_engine_equals_trainer(schedule, policy_text):
     """aligned-mxfp4 on the small model: the engine's logprobs (experts quantised once, at its sync) are its
-    trainer's (quantising its float32 masters inside the forward), bit for bit; and they are not aligned-bf16's."""
+    trainer's (quantising its float32 masters inside the forward), bit for bit; and they are not aligned-bf16's.
+    Also with every linear in MXFP4 (`wq_scope=all`, the low-bit study's aligned arm)."""
     from jaxalign.align.compare import compare
 
     model = build_model("small")
-    policy = NumericPolicy.preset("aligned-mxfp4")
+    policy = NumericPolicy.parse(policy_text)
     result = compare(model, policy, policy, n_prompts=6, max_new_tokens=8, engine_batches=(4,), seed=2,
                      schedule=schedule)
     run = result["runs"][0]
