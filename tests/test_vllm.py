@@ -65,6 +65,22 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _in_session(sid: int) -> list[int]:
+    """Running (not zombie) processes of session `sid`: the worker starts its own, and anything vLLM started
+    would be in it."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[3]) == sid:  # state, ppid, pgrp, session
+                found.append(int(name))
+    return found
+
+
 def _run(args, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jaxalign.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=600, **kw)
@@ -175,12 +191,37 @@ def test_no_vllm_process_survives_its_parent_being_sigkilled(checkpoint):
         worker = int(line)
         with open(f"/proc/{worker}/cmdline", "rb") as f:
             assert b"worker.py" in f.read()  # the vLLM worker, with the model loaded
+        assert _in_session(worker) == [worker]  # vLLM's core runs in the worker: one process
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 15
+        while _in_session(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _in_session(worker), "a vLLM process outlived its SIGKILLed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+@pytest.mark.slow
+def test_no_worker_survives_its_parent_being_interrupted():
+    """SIGINT (Ctrl-C) to a parent holding a worker: the parent exits and the worker with it (the SIGKILL test
+    above runs the same with a model loaded)."""
+    _need_vllm()
+    script = ("import time\nfrom jaxalign.engines.vllm.process import WorkerProcess\n"
+              "w = WorkerProcess()\nprint(w.pid, flush=True)\ntime.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True, cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        worker = int(parent.stdout.readline())
+        assert _running(worker)
+        parent.send_signal(signal.SIGINT)
+        assert parent.wait(30) != 0
+        deadline = time.monotonic() + 15
         while _running(worker) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _running(worker), "the vLLM worker outlived its SIGKILLed parent"
+        assert not _running(worker), "the vLLM worker outlived its interrupted parent"
     finally:
         if parent.poll() is None:
             parent.kill()
