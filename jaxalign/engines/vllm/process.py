@@ -68,8 +68,9 @@ class WorkerProcess:
                                          close_fds=True)
         self.pid = self.proc.pid
         self._buffer = b""
+        self.keep_log = False  # set when something failed: errors name the log, so it stays
         try:
-            self._read(start_timeout, starting=True)
+            self._read(start_timeout)
         except WorkerError as err:
             self.close()
             raise VllmUnavailable(f"the vLLM worker did not start ({err})") from None
@@ -83,7 +84,14 @@ class WorkerProcess:
             return ""
         return " | ".join(found[-lines:])
 
-    def _read(self, timeout: float, starting: bool = False) -> dict:
+    def _read(self, timeout: float) -> dict:
+        try:
+            return self._read_answer(timeout)
+        except WorkerError:
+            self.keep_log = True
+            raise
+
+    def _read_answer(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -108,12 +116,14 @@ class WorkerProcess:
     def call(self, cmd: str, timeout: float = CALL_TIMEOUT_S, **args) -> dict:
         """Send one request (`cmd` and its JSON arguments) and return the worker's answer."""
         if self.proc.poll() is not None:
+            self.keep_log = True
             raise WorkerError(f"the worker has exited (code {self.proc.returncode}); log {self.log_path}: "
                               f"{self.log_tail()}")
         try:
             self.proc.stdin.write((json.dumps({"cmd": cmd, **args}) + "\n").encode())
             self.proc.stdin.flush()
         except BrokenPipeError:
+            self.keep_log = True
             raise WorkerError(f"the worker has exited; log {self.log_path}: {self.log_tail()}") from None
         return self._read(timeout)
 
@@ -146,3 +156,5 @@ class WorkerProcess:
                 stream.close()
             except (OSError, ValueError):
                 pass
+        if not self.keep_log and os.path.exists(self.log_path):
+            os.remove(self.log_path)
