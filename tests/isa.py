@@ -152,6 +152,9 @@ FULL_MATRIX_ONLY = {
     "tests/test_fp8.py::test_aligned_fp8_engine_equals_trainer_on_every_family":
         ("tests/test_fp8.py::test_e4m3_rounding_is_ml_dtypes_cast_with_saturation",
          "aligned-fp8 on every family: the FP8 quantiser's cases"),
+    "tests/test_lowbit.py::test_aligned_mxfp4_engine_equals_trainer":
+        ("tests/test_lowbit.py::test_e2m1_rounding_is_ml_dtypes_cast_with_saturation",
+         "aligned-mxfp4 end to end: the MXFP4 quantiser's primitive cases (rounding, the spec's blocks)"),
     "tests/test_fp8.py::test_merged_lora_adapters_are_quantised_with_their_weight":
         ("tests/test_fp8.py::test_weight_scales_and_values_match_the_float64_reference[f32]",
          "merged adapters quantised with their weight: the weight quantiser's cases"),

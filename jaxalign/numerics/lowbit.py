@@ -46,8 +46,6 @@ from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.policy_values import Int4Groups, Mxfp4
 from jaxalign.numerics.scales import pad_axis, scale_from_amax
 
-E2M1 = jnp.float4_e2m1fn
-E8M0 = jnp.float8_e8m0fnu
 E2M1_MAX = 6.0
 E2M1_EMAX = 2  # the largest exponent of an E2M1 value (6 = 1.5 * 2^2)
 MX_BLOCK = 32
@@ -59,9 +57,12 @@ INT4_SCALE_MAX = 7.0  # symmetric: amax maps to 7
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LowBitWeight:
-    """A weight [..., K, N] as the engine holds it in a 4-bit format: `codes` (float4_e2m1fn for MXFP4, int8 in
-    [-8, 7] for INT4) and `scales` [..., ceil(K/G), N] (float8_e8m0fnu for MXFP4, float32 for INT4), G elements
-    along K per scale. A parameter's value in the engine's state (`Variable[...]` returns it whole)."""
+    """A weight [..., K, N] as the engine holds it in a 4-bit format: `codes` and `scales` [..., ceil(K/G), N], G
+    elements along K per scale. MXFP4: codes are float4_e2m1fn bit patterns, one per uint8 (`ml_dtypes`
+    reads them with `.view(float4_e2m1fn)`), scales E8M0 bytes (biased exponents, 0xFF = NaN). INT4: codes int8
+    in [-8, 7], scales float32. A parameter's value in the engine's state (`Variable[...]` returns it whole).
+    (Bytes rather than XLA's float4/float8_e8m0 types: XLA:CPU fails to compile their vectorised conversions on
+    CPUs without F16C, e.g. under `--xla_cpu_max_isa=SSE4_2`.)"""
 
     codes: jax.Array
     scales: jax.Array
@@ -84,8 +85,11 @@ class LowBitWeight:
 
     def dequantized(self) -> jax.Array:
         """code * scale per group, float32 [..., K, N]."""
-        scale = jnp.repeat(self.scales.astype(jnp.float32), self.group, axis=-2)[..., :self.codes.shape[-2], :]
-        return self.codes.astype(jnp.float32) * scale
+        if self.fmt == "mxfp4":
+            values, scales = decode_e2m1(self.codes), decode_e8m0(self.scales)
+        else:
+            values, scales = self.codes.astype(jnp.float32), self.scales.astype(jnp.float32)
+        return values * _per_element(scales, self.group, self.codes.shape[-2])
 
 
 def _group_amax(w: jax.Array, group: int) -> jax.Array:
@@ -113,10 +117,39 @@ def _power_of_two(exponent: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(((exponent + 127) << 23).astype(jnp.int32), jnp.float32)
 
 
-def to_e2m1(x: jax.Array) -> jax.Array:
-    """x (float32, already divided by its scale) rounded to float4_e2m1fn: nearest, ties to even, saturated to
-    +-6 (XLA's convert rounds to nearest even; the clip saturates, since E2M1 has no infinity)."""
-    return jnp.clip(x.astype(jnp.float32), -E2M1_MAX, E2M1_MAX).astype(E2M1)
+def round_e2m1(x: jax.Array) -> jax.Array:
+    """x (float32, already divided by its scale) rounded to the nearest E2M1 value, ties to even, saturated to +-6
+    (E2M1 has no infinity), as float32. The grid's spacing is 0.5 below 2, 1 below 4 and 2 up to 6, so each
+    binade rounds as round-half-even(|x| / spacing) * spacing, exactly."""
+    x = x.astype(jnp.float32)
+    magnitude = jnp.minimum(jnp.abs(x), E2M1_MAX)
+    spacing = jnp.where(magnitude < 2.0, 0.5, jnp.where(magnitude < 4.0, 1.0, 2.0))
+    return jnp.copysign(jax.lax.round(magnitude / spacing, jax.lax.RoundingMethod.TO_NEAREST_EVEN) * spacing, x)
+
+
+def e2m1_codes(values: jax.Array) -> jax.Array:
+    """The float4_e2m1fn bit patterns (uint8) of float32 values on the E2M1 grid: sign in bit 3, the magnitude's
+    index among 0, 0.5, 1, 1.5, 2, 3, 4, 6 below it."""
+    magnitude = jnp.abs(values)
+    index = jnp.where(magnitude < 2.0, magnitude * 2.0, jnp.where(magnitude < 4.0, magnitude + 2.0,
+                                                                  magnitude * 0.5 + 4.0))
+    return (index.astype(jnp.uint8) | (jnp.signbit(values).astype(jnp.uint8) << 3)).astype(jnp.uint8)
+
+
+def decode_e2m1(codes: jax.Array) -> jax.Array:
+    """float32 values of float4_e2m1fn bit patterns (uint8)."""
+    index = (codes & 7).astype(jnp.float32)
+    magnitude = jnp.where(index < 4.0, index * 0.5, jnp.where(index < 6.0, index - 2.0, (index - 4.0) * 2.0))
+    return jnp.where((codes & 8) > 0, -magnitude, magnitude)
+
+
+def decode_e8m0(scales: jax.Array) -> jax.Array:
+    """float32 values of E8M0 bytes: 2^(byte - 127), NaN for 0xFF. 2^-127 (byte 0) is a float32 subnormal, which
+    XLA:CPU flushes: a scale 2^-127 decodes as 0 (only an all-zero block, or one whose values are themselves
+    below float32's normal range, has it)."""
+    exponent = scales.astype(jnp.int32) - 127
+    value = jnp.where(exponent >= -126, _power_of_two(jnp.maximum(exponent, -126)), 0.0)
+    return jnp.where(scales == 255, jnp.nan, value)
 
 
 def quantize_mxfp4(w: jax.Array) -> LowBitWeight:
@@ -128,11 +161,11 @@ def quantize_mxfp4(w: jax.Array) -> LowBitWeight:
     exponent = mx_scale_exponents(jnp.where(finite, amax, 0.0))
     # v / X as v * 2^-e: -e lies in [-125, 127] (e <= 125 for any finite float32), a normal power of two
     inverse = _power_of_two(-exponent)
-    codes = to_e2m1(w * _per_element(inverse, MX_BLOCK, k))
-    codes = jnp.where(_per_element(finite, MX_BLOCK, k), codes, jnp.zeros_like(codes))
+    values = round_e2m1(w * _per_element(inverse, MX_BLOCK, k))
+    codes = jnp.where(_per_element(finite, MX_BLOCK, k), e2m1_codes(values), jnp.zeros((), jnp.uint8))
     # the E8M0 byte: exponent + 127, or 0xFF (NaN) for a non-finite block
     biased = jnp.where(finite, exponent + 127, 255).astype(jnp.uint8)
-    return LowBitWeight(codes, jax.lax.bitcast_convert_type(biased, E8M0), "mxfp4", MX_BLOCK)
+    return LowBitWeight(codes, biased, "mxfp4", MX_BLOCK)
 
 
 def quantize_int4(w: jax.Array, group: int, scale_format: str) -> LowBitWeight:
@@ -181,14 +214,18 @@ def e2m1_values() -> np.ndarray:
 
 
 def rounding_check() -> dict:
-    """This backend's rounding into E2M1 against ml_dtypes' cast (nearest even, saturated to +-6): every E2M1
-    value, every midpoint, one float32 ulp either side of each, and values past the range."""
+    """This backend's rounding into E2M1 against ml_dtypes' cast (nearest even, saturated to +-6), values and bit
+    patterns: every E2M1 value, every midpoint, one float32 ulp either side of each, and values past the range."""
     import ml_dtypes
     v = e2m1_values()
     mids = ((v[1:] + v[:-1]) / 2).astype(np.float32)
-    x = np.concatenate([v, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
-                        [6.5, -6.5, 7.0, -7.0, 8.0, -8.0, 1e30, -1e30]]).astype(np.float32)
-    got = np.asarray(jax.jit(to_e2m1)(x).astype(jnp.float32))
-    want = np.clip(x, -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
-    same = got.view(np.uint32) == want.view(np.uint32)
+    x = np.concatenate([v, -v, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+                        [6.5, -6.5, 7.0, -7.0, 8.0, -8.0, 1e30, -1e30, -0.1, -0.25]]).astype(np.float32)
+    values = jax.jit(round_e2m1)(x)
+    got = np.asarray(values)
+    codes = np.asarray(jax.jit(e2m1_codes)(values))
+    decoded = np.asarray(jax.jit(decode_e2m1)(jnp.asarray(codes)))
+    want = np.clip(x, -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn)
+    same = ((got.view(np.uint32) == want.astype(np.float32).view(np.uint32)) & (codes == want.view(np.uint8))
+            & (decoded.view(np.uint32) == got.view(np.uint32)))
     return {"cases": int(x.size), "mismatches": int(np.sum(~same)), "passed": bool(same.all())}
