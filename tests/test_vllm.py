@@ -209,10 +209,11 @@ def test_no_worker_survives_its_parent_being_interrupted():
     """SIGINT (Ctrl-C) to a parent holding a worker: the parent exits and the worker with it (the SIGKILL test
     above runs the same with a model loaded)."""
     _need_vllm()
-    script = ("import time\nfrom jaxalign.engines.vllm.process import WorkerProcess\n"
+    script = ("import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"  # even if ignored
+              "from jaxalign.engines.vllm.process import WorkerProcess\n"
               "w = WorkerProcess()\nprint(w.pid, flush=True)\ntime.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True, cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                              text=True, cwd=ROOT)
     try:
         worker = int(parent.stdout.readline())
         assert _running(worker)
