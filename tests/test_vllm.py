@@ -160,6 +160,23 @@ def test_vllm_rollout_is_what_the_trainer_consumes(engine):
 
 @pytest.mark.hf
 @pytest.mark.slow
+def test_golden_check_against_vllms_output(engine, checkpoint, tmp_path):
+    """The porting kit on a real stack: a golden file of the checkpoint under hf-eager-bf16, vLLM's prompt
+    logprobs of the same sequences as the candidate (what `golden check --engine vllm` writes)."""
+    from jaxalign.cli.golden import write_candidate
+    from jaxalign.interop import golden
+    from jaxalign.loading import load_model
+    from jaxalign.numerics import NumericPolicy
+    sequences = [list(range(1, 17)), [5, 9, 2, 77, 40, 3, 3, 61, 12, 8]]
+    golden.export_golden(load_model(checkpoint), sequences, NumericPolicy.preset("hf-eager-bf16"),
+                         str(tmp_path / "golden.json"))
+    write_candidate(engine, str(tmp_path / "golden.json"), str(tmp_path / "candidate.jsonl"))
+    result = golden.check_golden(str(tmp_path / "golden.json"), str(tmp_path / "candidate.jsonl"))
+    assert result["passed"] and 0 < result["k3_kl"] < 1e-3 and result["n_tokens"] == 24
+
+
+@pytest.mark.hf
+@pytest.mark.slow
 def test_sync_is_verified_against_a_fresh_load_of_the_same_weights(engine, checkpoint):
     import jax
     from flax import nnx

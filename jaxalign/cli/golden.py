@@ -15,6 +15,19 @@ from jaxalign.files import read_json
 from jaxalign.interop import golden, hf
 
 
+def write_candidate(engine, golden_path: str, path: str) -> str:
+    """Have `engine` (one with `score(sequences)`, e.g. a `VllmEngine`) score the sequences of the golden file and
+    write its logprobs as a candidate JSONL at `path` (docs/porting.md's format). Returns `path`."""
+    content = read_json(golden_path, "the golden file")
+    if not isinstance(content, dict) or not isinstance(content.get("sequences"), list):
+        raise ValueError(f"{golden_path}: not a golden file (no sequences)")
+    scores = engine.score([s["tokens"] for s in content["sequences"]])
+    with open(path, "w") as f:
+        for s, lp in zip(content["sequences"], scores):
+            f.write(json.dumps({"id": s["id"], "tokens": s["tokens"], "logprobs": [None, *lp]}) + "\n")
+    return path
+
+
 def engine_candidate(args) -> str:
     """`golden check --engine vllm[:DTYPE] --model DIR`: the engine scores the golden file's sequences and its
     logprobs are written as a candidate JSONL (to --save-candidate, or a temporary file). Returns the path."""
@@ -25,20 +38,14 @@ def engine_candidate(args) -> str:
         raise UsageError("--engine needs --model: the weights the engine loads (the golden file's model)")
     from jaxalign.engines.vllm.process import require_installed
     require_installed()
-    content = read_json(args.golden, "the golden file")
-    if not isinstance(content, dict) or not isinstance(content.get("sequences"), list):
-        raise ValueError(f"{args.golden}: not a golden file (no sequences)")
+    read_json(args.golden, "the golden file")  # a bad file fails before the engine starts
     source = args.model if loading.is_transformers_dir(args.model) else load_model(args)
     engine = open_engine(args.engine, source, max_num_seqs=8)
     try:
-        scores = engine.score([s["tokens"] for s in content["sequences"]])
+        path = args.save_candidate or tempfile.mkstemp(prefix="jaxalign-candidate-", suffix=".jsonl")[1]
+        return write_candidate(engine, args.golden, path)
     finally:
         engine.close()
-    path = args.save_candidate or tempfile.mkstemp(prefix="jaxalign-candidate-", suffix=".jsonl")[1]
-    with open(path, "w") as f:
-        for s, lp in zip(content["sequences"], scores):
-            f.write(json.dumps({"id": s["id"], "tokens": s["tokens"], "logprobs": [None, *lp]}) + "\n")
-    return path
 
 
 def run(args) -> int:
