@@ -139,9 +139,10 @@ class VllmEngine:
         hf.save(model, path)
         return path
 
-    def _load(self, worker: WorkerProcess, path: str) -> dict:
-        return worker.call("load", model=path, dtype=self.dtype, seed=self.seed, max_model_len=self.max_model_len,
-                           max_num_seqs=self.max_num_seqs)
+    def _load(self, worker: WorkerProcess, path: str, wait: bool = True) -> dict | None:
+        worker.send("load", model=path, dtype=self.dtype, seed=self.seed, max_model_len=self.max_model_len,
+                    max_num_seqs=self.max_num_seqs)
+        return worker.receive() if wait else None
 
     def score(self, sequences) -> list[list[float]]:
         """The engine's logprob of each token of each sequence given the ones before it (vLLM's prompt
@@ -154,13 +155,21 @@ class VllmEngine:
         sequences = probe_sequences(self.config.vocab_size, self.max_model_len)
         return np.asarray((worker or self.worker).call("score", sequences=sequences)["logprobs"], np.float32)
 
-    def reference_probe(self, path: str | None = None) -> np.ndarray:
-        """The probe scored by a fresh load of `path` (default: the engine's current weights) in the reference
-        worker, a process apart from the engine's."""
+    def _reference_worker(self) -> WorkerProcess:
         if self._reference is None:
             self._reference = WorkerProcess(self.venv, kv_cache_gib=self.kv_cache_gib)
-        self._load(self._reference, path or self.weights_dir)
-        return self.probe(self._reference)
+        return self._reference
+
+    def reference_probe(self, path: str | None = None, loading: bool = False) -> np.ndarray:
+        """The probe scored by a fresh load of `path` (default: the engine's current weights) in the reference
+        worker, a process apart from the engine's. `loading`: that load was already sent (`sync` starts it
+        beside the engine's own reload) and only its answer is awaited."""
+        reference = self._reference_worker()
+        if loading:
+            reference.receive()
+        else:
+            self._load(reference, path or self.weights_dir)
+        return self.probe(reference)
 
     def sync(self, model: Transformer | str) -> dict:
         """Take new weights (a Transformer of this engine's config, or a transformers checkpoint directory):
@@ -171,23 +180,31 @@ class VllmEngine:
         start = time.perf_counter()
         self.syncs += 1
         old, path = self.weights_dir, self._export(model)
-        if self.sync_method == "reload":
-            self._load(self.worker, path)
-        else:
-            self.worker.call("reload_inplace", model=path)
+        if self.verify_sync:  # the reference's fresh load runs beside the engine's own reload
+            self._load(self._reference_worker(), path, wait=False)
+        try:
+            if self.sync_method == "reload":
+                self._load(self.worker, path)
+            else:
+                self.worker.call("reload_inplace", model=path)
+        except BaseException:
+            if self.verify_sync:  # drain the reference's answer, so its pipe holds none for a later request
+                self._reference.receive()
+            raise
         self.weights_dir = path
         if old and old.startswith(self.workdir) and old != path:
             shutil.rmtree(old, ignore_errors=True)
         out = {"method": self.sync_method, "seconds": time.perf_counter() - start, "verified": False}
         if self.verify_sync:
-            out.update(self.verify())
+            out.update(self.verify(reference_loading=True))
         return out
 
-    def verify(self) -> dict:
+    def verify(self, reference_loading: bool = False) -> dict:
         """Score the probe on the engine and on a fresh load of the same weights; SyncMismatch unless bitwise
-        equal. Returns {"verified": True, "verify_seconds", "probe_tokens"}."""
+        equal. Returns {"verified": True, "verify_seconds", "probe_tokens"}. `reference_loading`: the
+        reference's load was already sent (by `sync`)."""
         start = time.perf_counter()
-        got, want = self.probe(), self.reference_probe()
+        got, want = self.probe(), self.reference_probe(loading=reference_loading)
         differ = got != want
         if differ.any():
             report = {"method": self.sync_method, "differing": int(differ.sum()), "probe_tokens": int(got.size),

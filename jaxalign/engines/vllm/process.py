@@ -115,6 +115,15 @@ class WorkerProcess:
 
     def call(self, cmd: str, timeout: float = CALL_TIMEOUT_S, **args) -> dict:
         """Send one request (`cmd` and its JSON arguments) and return the worker's answer."""
+        self.send(cmd, **args)
+        return self.receive(timeout)
+
+    def receive(self, timeout: float = CALL_TIMEOUT_S) -> dict:
+        """The answer to the request `send` sent (for a caller that did something else meanwhile)."""
+        return self._read(timeout)
+
+    def send(self, cmd: str, **args) -> None:
+        """Send one request without waiting for its answer (`receive` reads it)."""
         if self.proc.poll() is not None:
             self.keep_log = True
             raise WorkerError(f"the worker has exited (code {self.proc.returncode}); log {self.log_path}: "
@@ -125,7 +134,6 @@ class WorkerProcess:
         except BrokenPipeError:
             self.keep_log = True
             raise WorkerError(f"the worker has exited; log {self.log_path}: {self.log_tail()}") from None
-        return self._read(timeout)
 
     def alive(self) -> bool:
         """Whether the worker process is still running."""
