@@ -164,7 +164,9 @@ def _quantize_experts(model, fmt_policy: NumericPolicy):
     return nnx.merge(nnx.graphdef(model), jax.tree_util.tree_map_with_path(one, state))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4:32"])
+@pytest.mark.parametrize("fmt", ["mxfp4", pytest.param("int4:32", marks=pytest.mark.full_matrix(
+    cover="tests/test_lowbit.py::test_w4a16_is_the_unquantised_policy_on_prequantised_weights[mxfp4]",
+    why="the same W4A16 product on INT4's values; INT4's quantiser has its own core case"))])
 def test_w4a16_is_the_unquantised_policy_on_prequantised_weights(fmt):
     """The fields that make serve-mxfp4 differ from serve-bf16 (weight_quant, quant_scope), applied to fp32, give
     fp32's logprobs on a model whose expert weights were quantised beforehand by the format's definition."""
@@ -248,8 +250,11 @@ def test_serve_mxfp4_gap_exceeds_serve_bf16():
 
 
 @pytest.mark.bitwise
-@pytest.mark.parametrize("schedule, policy_text", [("static", "aligned-mxfp4"), ("continuous", "aligned-mxfp4"),
-                                                   ("static", "aligned-bf16,wq=mxfp4")])
+@pytest.mark.parametrize("schedule, policy_text", [
+    ("static", "aligned-mxfp4"), ("continuous", "aligned-mxfp4"),
+    pytest.param("static", "aligned-bf16,wq=mxfp4", marks=pytest.mark.full_matrix(
+        cover="tests/test_lowbit.py::test_aligned_mxfp4_engine_equals_trainer[static-aligned-mxfp4]",
+        why="every linear in MXFP4 (the low-bit study's aligned arm): the same quantised product in more layers"))])
 def test_aligned_mxfp4_engine_equals_trainer(schedule, policy_text):
     """aligned-mxfp4 on the small model: the engine's logprobs (experts quantised once, at its sync) are its
     trainer's (quantising its float32 masters inside the forward), bit for bit; and they are not aligned-bf16's.

@@ -92,6 +92,9 @@ def test_statistics():
 
 
 @pytest.mark.slow
+@pytest.mark.full_matrix(
+    cover="tests/test_lowbit_study.py::test_refitted_band_rejects_the_share_its_control_drops_at_random",
+    why="the study end to end (two minutes on 2 cores): its band and control, formats and statistics have core cases")
 def test_a_short_study_runs_resumes_and_reports_from_its_files(tmp_path):
     """Two steps of the re-fitted band and its random-drop control from a quick warm start: the control drops
     exactly the band's share at every step, the engine's k3 is measured on every step, both evaluations are
