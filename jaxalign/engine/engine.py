@@ -29,6 +29,32 @@ def cast_state(state, policy):
     return cast_params(state, policy)
 
 
+def check_prompts(prompts, vocab_size: int, max_new_tokens: int, max_len: int | None = None,
+                  limit: str = "the engine's maximum length") -> list[np.ndarray]:
+    """Prompts as int32 arrays, checked: a non-empty list of non-empty 1-D integer ids in 0..vocab_size-1, and
+    (with `max_len`) prompt + max_new_tokens within it (`limit` names that bound in the error). A ValueError naming
+    the prompt and what is allowed otherwise. Every engine checks its prompts with this."""
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        prompts = list(prompts)
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id sequences")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens!r}; allowed: an int >= 1")
+    out = []
+    for i, prompt in enumerate(prompts):
+        arr = np.asarray(prompt)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"prompt {i} is empty or not 1-D (shape {arr.shape}); every prompt needs >= 1 token")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompt {i} holds {arr.dtype}, not integer token ids")
+        if arr.min() < 0 or arr.max() >= vocab_size:
+            raise ValueError(f"prompt {i} holds ids in [{arr.min()}, {arr.max()}]; allowed: 0..{vocab_size - 1}")
+        if max_len is not None and arr.size + max_new_tokens > max_len:
+            raise ValueError(f"prompt {i} has {arr.size} tokens + max_new_tokens {max_new_tokens} > {limit}")
+        out.append(arr.astype(np.int32))
+    return out
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -91,21 +117,8 @@ class Engine:
         if prefill_chunk is not None and schedule == "continuous":
             raise ValueError("prefill_chunk applies to the static schedule; continuous batching prefills one "
                              "token per slot per step")
-        out = []
-        for i, prompt in enumerate(prompts):
-            arr = np.asarray(prompt)
-            if arr.ndim != 1 or arr.size == 0:
-                raise ValueError(f"prompt {i} is empty or not 1-D (shape {arr.shape}); every prompt needs >= 1 token")
-            if not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"prompt {i} holds {arr.dtype}, not integer token ids")
-            if arr.min() < 0 or arr.max() >= cfg.vocab_size:
-                raise ValueError(f"prompt {i} holds ids in [{arr.min()}, {arr.max()}]; allowed: "
-                                 f"0..{cfg.vocab_size - 1}")
-            if arr.size + max_new_tokens > cfg.max_seq_len:
-                raise ValueError(f"prompt {i} has {arr.size} tokens + max_new_tokens {max_new_tokens} > the "
-                                 f"cache (max_seq_len = {cfg.max_seq_len})")
-            out.append(arr.astype(np.int32))
-        return out
+        return check_prompts(prompts, cfg.vocab_size, max_new_tokens, cfg.max_seq_len,
+                             f"the cache (max_seq_len = {cfg.max_seq_len})")
 
     def generate(self, prompts, *, max_new_tokens: int, sampling: SamplingParams | None = None,
                  temperature: float | None = None, top_k: int | None = None,

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
-import numpy as np
-
+from jaxalign.engine.engine import check_prompts as engine_prompts
 from jaxalign.engine.rollout import Rollout
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics.sampling import SamplingParams
@@ -57,25 +56,7 @@ def describe(engine: RolloutEngine) -> dict:
 
 
 def check_prompts(prompts, vocab_size: int, max_new_tokens: int, max_len: int | None = None) -> list[list[int]]:
-    """Prompts as lists of Python ints, checked: non-empty, 1-D, integer ids in 0..vocab_size-1, and (with
-    `max_len`) prompt + max_new_tokens within it. ValueError naming the prompt and what is allowed otherwise."""
-    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
-        prompts = list(prompts)
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id sequences")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens = {max_new_tokens!r}; allowed: an int >= 1")
-    out = []
-    for i, prompt in enumerate(prompts):
-        arr = np.asarray(prompt)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError(f"prompt {i} is empty or not 1-D (shape {arr.shape}); every prompt needs >= 1 token")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompt {i} holds {arr.dtype}, not integer token ids")
-        if arr.min() < 0 or arr.max() >= vocab_size:
-            raise ValueError(f"prompt {i} holds ids in [{arr.min()}, {arr.max()}]; allowed: 0..{vocab_size - 1}")
-        if max_len is not None and arr.size + max_new_tokens > max_len:
-            raise ValueError(f"prompt {i} has {arr.size} tokens + max_new_tokens {max_new_tokens} > the engine's "
-                             f"maximum length {max_len}")
-        out.append([int(t) for t in arr])
-    return out
+    """Prompts as lists of Python ints, checked as jaxalign's own engine checks them (`engine.check_prompts`:
+    non-empty, 1-D, integer ids in 0..vocab_size-1, and with `max_len` prompt + max_new_tokens within it)."""
+    return [[int(t) for t in arr] for arr in
+            engine_prompts(prompts, vocab_size, max_new_tokens, max_len, f"the engine's maximum length {max_len}")]
