@@ -100,12 +100,8 @@ class Engine:
     def _check(self, prompts, max_new_tokens, eos_id, batch_size, schedule,
                prefill_chunk) -> list[np.ndarray]:
         cfg = self.config
-        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
-            prompts = list(prompts)
-        if not isinstance(prompts, Sequence) or len(prompts) == 0:
-            raise ValueError("prompts must be a non-empty list of token-id sequences")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens = {max_new_tokens!r}; allowed: an int >= 1")
+        checked = check_prompts(prompts, cfg.vocab_size, max_new_tokens, cfg.max_seq_len,
+                                f"the cache (max_seq_len = {cfg.max_seq_len})")
         if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
             raise ValueError(f"eos_id = {eos_id}; allowed: None or 0..{cfg.vocab_size - 1}")
         if schedule not in SCHEDULES:
@@ -117,8 +113,7 @@ class Engine:
         if prefill_chunk is not None and schedule == "continuous":
             raise ValueError("prefill_chunk applies to the static schedule; continuous batching prefills one "
                              "token per slot per step")
-        return check_prompts(prompts, cfg.vocab_size, max_new_tokens, cfg.max_seq_len,
-                             f"the cache (max_seq_len = {cfg.max_seq_len})")
+        return checked
 
     def generate(self, prompts, *, max_new_tokens: int, sampling: SamplingParams | None = None,
                  temperature: float | None = None, top_k: int | None = None,
