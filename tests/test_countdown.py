@@ -154,3 +154,58 @@ def test_reachable_targets_are_every_expressions_values():
         brute = {int(v) for v, _ in countdown._expressions([(Fraction(x), "") for x in numbers])
                  if v.denominator == 1 and 1 <= v <= 150}
         assert countdown.reachable_targets(numbers, 150) == sorted(brute), numbers
+
+
+def _left_to_right(numbers, ops):
+    """A chain's value by plain integer arithmetic, or None where an intermediate value is not a whole number."""
+    value = numbers[0]
+    for op, n in zip(ops, numbers[1:]):
+        if op == "/" and (n == 0 or value % n):
+            return None
+        value = {"+": value + n, "-": value - n, "*": value * n, "/": value // n if op == "/" else None}[op]
+    return value
+
+
+def test_chain_targets_are_exactly_the_left_to_right_values_and_their_solutions_score_one():
+    """`chain_solutions` against integer arithmetic over every operator sequence (zeros, ones and repeats
+    included); each solution is a chain over the numbers in the order given (its worked steps name them in
+    that order) and scores 1.0."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(60):
+        numbers = tuple(rng.randint(0, 9) for _ in range(rng.randint(2, 4)))
+        values = {_left_to_right(numbers, ops) for ops in itertools.product("+-*/", repeat=len(numbers) - 1)}
+        solutions = countdown.chain_solutions(numbers)
+        assert set(solutions) == {v for v in values if v is not None and v >= 1}, numbers
+        for target, expression in solutions.items():
+            assert countdown.score(numbers, target, f"<answer>{expression}</answer>") == 1.0
+            steps = countdown.worked_steps(expression).split()
+            assert [int(s.split("=")[0].split("+")[0].split("-")[0].split("*")[0].split("/")[0])
+                    for s in steps[:1]] == [numbers[0]]
+            assert len(steps) == len(numbers) - 1
+
+
+def test_chain_problems_are_held_out_as_any_problems_are():
+    """`targets="chain"`: training draws chain targets of the numbers as shown and never a held-out problem; the
+    held-out split's problems are shown in an order whose chain reaches the target; an unknown kind is refused
+    naming the allowed ones."""
+    from jaxalign.rl.task import CountdownTask
+
+    task = CountdownTask(count=(3, 4), eval_size=300, held_out=0.2, targets="chain", answer_format="steps")
+    key = lambda p: (tuple(sorted(p.numbers)), p.target)  # noqa: E731
+    evals = task.eval_items(seed=0)
+    assert len({key(p) for p in evals}) == 300 and evals == task.eval_items(seed=5)
+    for p in evals:
+        assert countdown.is_held_out(p.numbers, p.target, 0.2)
+        assert countdown.chain_solutions(p.numbers)[p.target] == p.solution
+    drawn = [p for step in range(40) for p in task.train_items(step, 16, seed=0)]
+    assert not {key(p) for p in drawn} & {key(p) for p in evals}
+    assert all(countdown.chain_solutions(p.numbers)[p.target] == p.solution for p in drawn)
+    assert {len(p.numbers) for p in drawn} == {3, 4}
+    assert task.describe()["targets"] == "chain" and "targets" not in CountdownTask().describe()
+    for bad in ("chains", "", "ANY"):
+        with pytest.raises(ValueError, match="allowed: any, chain"):
+            CountdownTask(targets=bad)
+        with pytest.raises(ValueError, match="allowed: any, chain"):
+            countdown.generate_problems(1, seed=0, targets=bad)

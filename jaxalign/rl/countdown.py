@@ -35,6 +35,7 @@ import functools
 import hashlib
 import itertools
 import math
+import operator
 import random
 import re
 from fractions import Fraction
@@ -77,6 +78,49 @@ def check_answer_format(answer_format: str) -> None:
     """A clear error for an unknown answer format."""
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format = {answer_format!r}; allowed: {', '.join(ANSWER_FORMATS)}")
+
+
+# Which targets a problem may have (`generate_problems`, `held_out_problems`): `any` = every integer some expression
+# over the numbers reaches (TinyZero's draw); `chain` = those reached by combining the numbers left to right in the
+# order shown, ((a op b) op c) op d, with integer intermediate values -- still scored as any Countdown answer (any
+# expression reaching the target is right), but with a solution a small model can find one operator at a time, as
+# the two-number task's. The 2-layer study model finds no 3-4-number solution of `any` targets often enough for
+# RL to have a signal (docs/lowbit.md, "Choosing the task").
+TARGET_KINDS = ("any", "chain")
+_OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def check_target_kind(targets: str) -> None:
+    """A clear error for an unknown target kind."""
+    if targets not in TARGET_KINDS:
+        raise ValueError(f"targets = {targets!r}; allowed: {', '.join(TARGET_KINDS)}")
+
+
+@functools.lru_cache(maxsize=65536)
+def chain_solutions(numbers: tuple[int, ...]) -> dict:
+    """{target: expression} for every integer target >= 1 that `numbers`, combined left to right in the order
+    given with integer intermediate values, reach; the expression is the first such chain in operator order
+    + - * / (e.g. (3, 5, 7) -> {..., 56: "(3+5)*7", ...}; a division must come out whole)."""
+    out: dict[int, str] = {}
+    for ops in itertools.product("+-*/", repeat=len(numbers) - 1):
+        value, text = Fraction(numbers[0]), str(numbers[0])
+        for op, n in zip(ops, numbers[1:]):
+            if op == "/" and n == 0:
+                break
+            value = _OPERATIONS[op](value, n)
+            if value.denominator != 1:
+                break
+            text = f"({text}{op}{n})"
+        else:
+            if value >= 1 and int(value) not in out:
+                out[int(value)] = _strip_outer(text)
+    return out
+
+
+def _targets(numbers, max_target: int, targets: str) -> list[int]:
+    if targets == "chain":
+        return sorted(t for t in chain_solutions(tuple(numbers)) if t <= max_target)
+    return reachable_targets(numbers, max_target)
 
 
 def _value_text(value: Fraction) -> str:
@@ -138,22 +182,24 @@ def solve(numbers, target) -> str | None:
 
 
 def generate_problems(n: int, seed: int, *, count=(3, 3), low: int = 1, high: int = 9,
-                      max_target: int = 99, held_out: float = 0.0) -> list[Problem]:
+                      max_target: int = 99, held_out: float = 0.0, targets: str = "any") -> list[Problem]:
     """`n` solvable problems with `count` (min, max) numbers in [low, high] and integer targets in
-    [1, max_target]; deterministic in `seed`. With `held_out` > 0, problems of the held-out split
-    (`is_held_out`) are never drawn: they belong to evaluation."""
+    [1, max_target] of the kind `targets` (TARGET_KINDS); deterministic in `seed`. With `held_out` > 0, problems
+    of the held-out split (`is_held_out`) are never drawn: they belong to evaluation."""
     check_ranges(count, low, high)
+    check_target_kind(targets)
     rng = random.Random(seed)
     out = []
     while len(out) < n:
         numbers = tuple(rng.randint(low, high) for _ in range(rng.randint(*count)))
-        targets = reachable_targets(numbers, max_target)
-        if not targets:
+        candidates = _targets(numbers, max_target, targets)
+        if not candidates:
             continue
-        target = rng.choice(targets)
+        target = rng.choice(candidates)
         if held_out and is_held_out(numbers, target, held_out):
             continue
-        out.append(Problem(numbers, target, solve(numbers, target)))
+        solution = chain_solutions(numbers)[target] if targets == "chain" else solve(numbers, target)
+        out.append(Problem(numbers, target, solution))
     return out
 
 
@@ -205,11 +251,12 @@ MAX_ENUMERATED = 20_000  # number multisets enumerated for a held-out split; lar
 
 
 def held_out_problems(fraction: float, *, count=(3, 3), low: int = 1, high: int = 9, max_target: int = 99,
-                      limit: int | None = None) -> list[Problem]:
+                      limit: int | None = None, targets: str = "any") -> list[Problem]:
     """The held-out split's problems (`is_held_out`), in a fixed pseudo-random order (numbers shuffled within each
     problem, as training draws them); all of them, or the first `limit`. Spaces of more than `MAX_ENUMERATED`
     number multisets are sampled instead (seeded; `limit` distinct problems, required then)."""
     check_ranges(count, low, high)
+    check_target_kind(targets)
     if fraction <= 0:
         raise ValueError(f"held-out fraction {fraction}; allowed: > 0 for a held-out split")
     sizes = [math.comb(high - low + k, k) for k in range(count[0], count[1] + 1)]
@@ -217,7 +264,7 @@ def held_out_problems(fraction: float, *, count=(3, 3), low: int = 1, high: int 
     if sum(sizes) <= MAX_ENUMERATED:
         for k in range(count[0], count[1] + 1):
             for numbers in itertools.combinations_with_replacement(range(low, high + 1), k):
-                for target in reachable_targets(numbers, max_target):
+                for target in _multiset_targets(numbers, max_target, targets):
                     if is_held_out(numbers, target, fraction):
                         found[(numbers, target)] = None
     else:
@@ -228,18 +275,32 @@ def held_out_problems(fraction: float, *, count=(3, 3), low: int = 1, high: int 
         while len(found) < limit and tries < 10_000 * limit:
             tries += 1
             numbers = tuple(sorted(rng.randint(low, high) for _ in range(rng.randint(*count))))
-            targets = reachable_targets(numbers, max_target)
-            if targets:
-                target = rng.choice(targets)
+            candidates = _multiset_targets(numbers, max_target, targets)
+            if candidates:
+                target = rng.choice(candidates)
                 if is_held_out(numbers, target, fraction):
                     found[(numbers, target)] = None
     keys = sorted(found, key=lambda key: hashlib.sha256(repr(key).encode()).digest())
     out = []
     for numbers, target in keys[:limit]:
-        order = list(numbers)
-        random.Random(repr((numbers, target))).shuffle(order)
-        out.append(Problem(tuple(order), target, solve(order, target)))
+        shuffle = random.Random(repr((numbers, target))).shuffle
+        if targets == "chain":  # shown in an order whose chain reaches the target (the first of them, shuffled)
+            orders = sorted(p for p in set(itertools.permutations(numbers)) if target in chain_solutions(p))
+            shuffle(orders)
+            out.append(Problem(orders[0], target, chain_solutions(orders[0])[target]))
+        else:
+            order = list(numbers)
+            shuffle(order)
+            out.append(Problem(tuple(order), target, solve(order, target)))
     return out
+
+
+def _multiset_targets(numbers: tuple[int, ...], max_target: int, targets: str) -> list[int]:
+    """The targets of the kind `targets` a problem over the multiset `numbers` may have (for `chain`: in some
+    order of the numbers)."""
+    if targets == "chain":
+        return sorted({t for p in set(itertools.permutations(numbers)) for t in chain_solutions(p) if t <= max_target})
+    return reachable_targets(numbers, max_target)
 
 
 class _Reject(ValueError):

@@ -63,12 +63,14 @@ class ExperimentConfig:
     minibatches: int = 1  # disjoint minibatches per collected batch, one optimizer step each (RLConfig.minibatches)
     answer_format: str = "bare"  # `countdown.ANSWER_FORMATS`: bare, or steps (worked steps before the answer)
     eval_sampled: bool = False  # also evaluate held-out reward sampled from each arm's engine (RLConfig)
+    targets: str = "any"  # `countdown.TARGET_KINDS`: any reachable target, or chain (left to right, order shown)
 
     def __post_init__(self):
         object.__setattr__(self, "arms", parse_arms(self.arms))
         object.__setattr__(self, "sft", dataclasses.replace(
             self.sft, problem_count=tuple(self.problem_count), max_number=self.max_number,
-            max_target=self.max_target, held_out=self.held_out, answer_format=self.answer_format))
+            max_target=self.max_target, held_out=self.held_out, answer_format=self.answer_format,
+            targets=self.targets))
         if not self.seeds:
             raise ValueError("at least one seed is needed")
         if len(set(self.seeds)) != len(self.seeds):
@@ -90,7 +92,8 @@ class ExperimentConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["arms"] = [arm.spec() for arm in self.arms]
         out["sft"] = self.sft.to_dict()
-        for name, legacy in (("minibatches", 1), ("answer_format", "bare"), ("eval_sampled", False)):
+        for name, legacy in (("minibatches", 1), ("answer_format", "bare"), ("eval_sampled", False),
+                             ("targets", "any")):
             if out[name] == legacy:  # as experiments recorded their settings before these fields existed
                 del out[name]
         return json.loads(json.dumps(out))
@@ -98,7 +101,8 @@ class ExperimentConfig:
     def task(self) -> CountdownTask:
         """The Countdown task every arm trains on."""
         return CountdownTask(count=tuple(self.problem_count), high=self.max_number, max_target=self.max_target,
-                             eval_size=self.eval_problems, held_out=self.held_out, answer_format=self.answer_format)
+                             eval_size=self.eval_problems, held_out=self.held_out, answer_format=self.answer_format,
+                             targets=self.targets)
 
 
 def run_config(exp: ExperimentConfig, arm: Arm, seed: int) -> RLConfig:

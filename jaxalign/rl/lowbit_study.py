@@ -12,7 +12,9 @@ Design (each point answers a flaw of the seed-regime study, `jaxalign.rl.study`,
   and in bypass (old policy = the engine's logprobs, Tunix's and Miles' default), where the ratio carries the
   gap itself.
 - **Answers long enough to compound**: Countdown with 3-4 numbers and worked steps before the answer
-  (`answer_format=steps`, ~45 tokens), a warm start that teaches the format and prefers a wrong habit.
+  (`answer_format=steps`, ~45 tokens), targets a left-to-right chain reaches (`targets=chain`: the 2-layer model
+  finds no solution of arbitrary 3-4-number targets often enough for RL to learn), a warm start that teaches the
+  format and prefers a wrong habit.
 - **Corrections and controls at face value**: verl's default correction (token TIS 2 and the geometric band
   0.999_1.001); a ~45% rejection band re-fitted on every batch (`seq_mean_k1:top:0.45`, the seed's share, no IS);
   and a control that drops exactly that share of sequences at random (`drop:0.45`), so it differs from the
@@ -86,15 +88,17 @@ ALIGNED_ARMS = ("aligned", "aligned-mxfp4")
 
 
 def default_experiment(seeds=(0, 1, 2, 3, 4, 5), steps: int = 200) -> ExperimentConfig:
-    """The study's RL settings: Countdown with 3-4 numbers in 1..9 and worked steps (held out as the other
-    studies: a hashed 20% split), 16 problems x 8 samples per step in 4 minibatches, evaluation every 10 steps
-    (greedy under the trainer and sampled from the engine), a warm start that writes the format and prefers the
-    habit of dividing the numbers in the order given."""
+    """The study's RL settings: Countdown with 3-4 numbers in 1..9, targets a left-to-right chain of the numbers
+    reaches (`countdown.TARGET_KINDS`) and worked steps (held out as the other studies: a hashed 20% split), 16
+    problems x 8 samples per step in 4 minibatches at learning rate 5e-4 (2e-3, the one-minibatch studies' rate,
+    drove the aligned arm onto the habit within 20 steps: docs/lowbit.md), evaluation every 10 steps (greedy under
+    the trainer and sampled from the engine), a warm start that writes the format and prefers, greedily, the
+    habit of dividing the numbers in the order given (45% of its traces solve)."""
     return ExperimentConfig(
         arms=study_arms(), seeds=tuple(seeds), steps=steps, model="countdown-steps", answer_format="steps",
-        problem_count=(3, 4), max_number=9, max_target=99, max_new_tokens=64, minibatches=MINIBATCHES,
-        eval_sampled=True, eval_every=10, eval_problems=256, learning_rate=2e-3,
-        sft=SFTConfig(steps=900, problems=12000, answers="habit:0.3:/", max_new_tokens=64))
+        targets="chain", problem_count=(3, 4), max_number=9, max_target=99, max_new_tokens=64,
+        minibatches=MINIBATCHES, eval_sampled=True, eval_every=10, eval_problems=256, learning_rate=5e-4,
+        sft=SFTConfig(steps=900, problems=12000, answers="habit:0.45:/", max_new_tokens=64))
 
 
 def git_commit() -> str | None:

@@ -41,11 +41,13 @@ class SFTConfig:
     max_target: int = 99
     held_out: float = 0.0  # the task's held-out fraction: the warm start never trains on a held-out problem
     answer_format: str = "bare"  # the task's (`countdown.ANSWER_FORMATS`): the traces are laid out as it answers
+    targets: str = "any"  # the task's target kind (`countdown.TARGET_KINDS`)
 
     def __post_init__(self):
         object.__setattr__(self, "policy", NumericPolicy.coerce(self.policy, label="SFTConfig.policy"))
         parse_answers(self.answers)
         countdown.check_answer_format(self.answer_format)
+        countdown.check_target_kind(self.targets)
 
     def check_batches(self) -> None:
         """Training needs `problems` >= `batch_size` (each step draws a batch without replacement)."""
@@ -56,8 +58,9 @@ class SFTConfig:
     def to_dict(self) -> dict:
         """JSON-ready form; the policy as compact text (`NumericPolicy.compact`)."""
         out = {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "policy": self.policy.compact()}
-        if self.answer_format == "bare":  # as warm starts (and their cache keys) were before the field existed
-            del out["answer_format"]
+        for name, legacy in (("answer_format", "bare"), ("targets", "any")):
+            if out[name] == legacy:  # as warm starts (and their cache keys) were before the field existed
+                del out[name]
         return out
 
 
@@ -110,7 +113,7 @@ def random_expression(numbers, rng: np.random.Generator) -> str:
 def sft_problems(cfg: SFTConfig) -> list[countdown.Problem]:
     """The problems the warm start trains on (none from the task's held-out split)."""
     return countdown.generate_problems(cfg.problems, seed=cfg.seed, count=cfg.problem_count, high=cfg.max_number,
-                                       max_target=cfg.max_target, held_out=cfg.held_out)
+                                       max_target=cfg.max_target, held_out=cfg.held_out, targets=cfg.targets)
 
 
 def solution_traces(cfg: SFTConfig) -> tuple[np.ndarray, np.ndarray]:

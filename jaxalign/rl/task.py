@@ -36,9 +36,9 @@ class Task(Protocol):
 
 
 @functools.lru_cache(maxsize=8)
-def _held_out(fraction, count, low, high, max_target, limit) -> list[countdown.Problem]:
+def _held_out(fraction, count, low, high, max_target, limit, targets) -> list[countdown.Problem]:
     return countdown.held_out_problems(fraction, count=count, low=low, high=high, max_target=max_target,
-                                       limit=limit)
+                                       limit=limit, targets=targets)
 
 
 PROMPT_WIDTH = 24  # every Countdown prompt (<bos> + up to 4 numbers + target) fits
@@ -62,10 +62,11 @@ class CountdownTask:
     prompt_width: int = PROMPT_WIDTH
     held_out: float = 0.0
     answer_format: str = "bare"  # `countdown.ANSWER_FORMATS`: bare (prompt opens <answer>) or steps (worked steps)
+    targets: str = "any"  # `countdown.TARGET_KINDS`: any reachable target, or chain (left to right in the order shown)
 
     def __post_init__(self):
         countdown.generate_problems(1, seed=0, count=tuple(self.count), low=self.low, high=self.high,
-                                    max_target=self.max_target)  # validates the ranges
+                                    max_target=self.max_target, targets=self.targets)  # validates the ranges
         if not 0.0 <= self.held_out < 1.0:
             raise ValueError(f"held_out = {self.held_out}; allowed: 0 <= held_out < 1 (the held-out fraction)")
         countdown.check_answer_format(self.answer_format)
@@ -74,7 +75,7 @@ class CountdownTask:
 
     def _problems(self, n: int, seed: int) -> list[countdown.Problem]:
         return countdown.generate_problems(n, seed=seed, count=tuple(self.count), low=self.low, high=self.high,
-                                           max_target=self.max_target, held_out=self.held_out)
+                                           max_target=self.max_target, held_out=self.held_out, targets=self.targets)
 
     def train_items(self, step: int, n: int, seed: int) -> list[countdown.Problem]:
         """`n` problems for `step` (seed * 100003 + step seeds the generator)."""
@@ -84,9 +85,11 @@ class CountdownTask:
         """The held-out split (its first `eval_size` problems; every seed the same) when `held_out` > 0, else
         `eval_size` problems from generator seed 1000003 + seed (disjoint seeds from training's)."""
         if self.held_out:
-            return _held_out(self.held_out, tuple(self.count), self.low, self.high, self.max_target, self.eval_size)
+            return _held_out(self.held_out, tuple(self.count), self.low, self.high, self.max_target, self.eval_size,
+                             self.targets)
         return countdown.generate_problems(self.eval_size, seed=1_000_003 + seed, count=tuple(self.count),
-                                           low=self.low, high=self.high, max_target=self.max_target)
+                                           low=self.low, high=self.high, max_target=self.max_target,
+                                           targets=self.targets)
 
     def prompt(self, item: countdown.Problem) -> list[int]:
         """<bos> + "numbers=target:<answer>" (`steps`: without the tag)."""
@@ -104,8 +107,10 @@ class CountdownTask:
                                else text)
 
     def describe(self) -> dict:
-        """The task's settings (the answer format only when it is not `bare`: what runs recorded before it)."""
+        """The task's settings (the answer format and target kind only when not the defaults: what runs recorded
+        before the fields existed)."""
         out = {"name": "countdown", **dataclasses.asdict(self)}
-        if self.answer_format == "bare":
-            del out["answer_format"]
+        for name, legacy in (("answer_format", "bare"), ("targets", "any")):
+            if out[name] == legacy:
+                del out[name]
         return out
