@@ -52,7 +52,8 @@ _recorders: list[set[str]] = []
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    """What runs one kernel: `kind` is `xla`, `lax-tiled`, `lax-full`, `lax-chunked` or `pallas`; `blocks` the
+    """What runs one kernel: `kind` is `xla`, `xla-bucketed` (`probed:T` where proven: a plain product on rows
+    padded to a bucket, `evidence` the proof), `lax-tiled`, `lax-full`, `lax-chunked` or `pallas`; `blocks` the
     Pallas (BM, BN, BK) request (attention: BM only), `derived` whether they come from `tiled:T`."""
 
     kernel: str
@@ -61,8 +62,11 @@ class Implementation:
     tile: int | None = None
     blocks: tuple[int, ...] | None = None
     derived: bool = False
+    evidence: object = None  # numerics.invariance.Evidence under probed:T
 
     def __str__(self) -> str:
+        if self.evidence is not None:
+            return f"{self.kernel}: {self.kind}{f' T={self.tile}' if self.kind == 'lax-tiled' else ''} ({self.platform}; {self.evidence})"
         if self.kind == "pallas":
             shape = "x".join(str(b) for b in self.blocks)
             source = f" from tiled:{self.tile}" if self.derived else ""
@@ -121,10 +125,12 @@ def _lax_tiled(policy: NumericPolicy, platform: str) -> bool:
 
 
 def select_matmul(policy: NumericPolicy, k: int, n: int, operand_dtype, platform: str, *,
-                  kernel: str = "matmul") -> Implementation:
+                  kernel: str = "matmul", probe=None) -> Implementation:
     """The implementation of a [rows, k] x [k, n] product (`kernel="grouped_matmul"`: the sorted dispatch's
-    per-expert product of that shape) under `policy` on `platform`. Raises a ValueError when the policy's
-    semantics have no implementation there."""
+    per-expert product of that shape) under `policy` on `platform`. Under `probed:T` a plain product's
+    `probe()` (-> `invariance.Evidence`) decides between the bucketed plain product and the tiles (grouped
+    products, attention and meshes keep the tiles). Raises a ValueError when the policy's semantics have no
+    implementation there."""
     if policy.pallas_blocks is not None:
         _check_platform(platform, policy)
         check_blocks(policy.pallas_blocks, k, n, operand_dtype, policy.matmul_kernel, platform)
@@ -132,6 +138,12 @@ def select_matmul(policy: NumericPolicy, k: int, n: int, operand_dtype, platform
     tile = policy.tile_rows
     if tile is None:
         return _chosen(Implementation(kernel, "xla", platform))
+    if policy.probed_kernel and kernel == "matmul" and probe is not None and not mesh_active():
+        proof = probe()
+        if proof.proven:
+            return _chosen(Implementation(kernel, "xla-bucketed", platform, evidence=proof))
+        if _lax_tiled(policy, platform):
+            return _chosen(Implementation(kernel, "lax-tiled", platform, tile=tile, evidence=proof))
     if _lax_tiled(policy, platform):
         return _chosen(Implementation(kernel, "lax-tiled", platform, tile=tile))
     _require_f32(policy, platform)

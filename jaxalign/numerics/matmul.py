@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxalign.numerics.collectives import gather_axes, local_reduce, mesh_active, ordered_vjp, with_parameter
+from jaxalign.numerics import invariance
 from jaxalign.numerics.kernels import select_matmul
 from jaxalign.numerics.pallas_grouped import pallas_grouped_tiles
 from jaxalign.numerics.pallas_matmul import pallas_matmul
@@ -55,10 +56,32 @@ def _dot(a: jax.Array, b: jax.Array, policy: NumericPolicy) -> jax.Array:
 
 def _rows(x2d: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
     """[M, K] @ [K, N] with the implementation `kernels.select_matmul` chooses for this platform."""
-    impl = select_matmul(policy, x2d.shape[1], w.shape[1], x2d.dtype, platform())
+    k, n = w.shape
+    probe = functools.partial(invariance.evidence, k, n, x2d.dtype, w.dtype, _dot_key(policy),
+                              lambda weight: lambda rows: _dot(rows, weight, policy), platform())
+    impl = select_matmul(policy, k, n, x2d.dtype, platform(), probe=probe)
     if impl.kind == "pallas":
         return pallas_matmul(x2d, w, impl.blocks, impl.platform)
+    if impl.kind == "xla-bucketed":
+        return bucketed_rows(x2d, lambda t: _dot(t, w, policy))
     return row_tiles(x2d, lambda t: _dot(t, w, policy), impl.tile if impl.kind == "lax-tiled" else None)
+
+
+def _dot_key(policy: NumericPolicy) -> str:
+    """The policy fields `_dot` reads: what a row-invariance proof of it depends on."""
+    return f"matmul={policy.matmul_acc}"
+
+
+def bucketed_rows(x2d: jax.Array, product) -> jax.Array:
+    """product(rows [R, K]) -> [R, N] on x2d [M, K] with the rows zero-padded to their bucket
+    (`invariance.bucket`), or, past the largest bucket, in whole chunks of it (`lax.map`): only bucket-sized
+    products run, the sizes a probe proved row-invariant."""
+    m, k = x2d.shape
+    largest = invariance.max_rows(k)
+    if m > largest:
+        return row_tiles(x2d, product, largest)
+    size = invariance.bucket(m, k)
+    return product(jnp.pad(x2d, ((0, size - m), (0, 0))))[:m]
 
 
 def row_tiles(x2d: jax.Array, product, tile: int | None) -> jax.Array:

@@ -74,9 +74,12 @@ FIELDS: dict[str, _Field] = {
     "transcendental_accuracy": _Field("transcendental", "default|highest", _one_of("default", "highest"),
                                       "accuracy asked of exp/log in softmaxes and log-softmax: default = the "
                                       "backend's; highest = lax.AccuracyMode.HIGHEST"),
-    "matmul_kernel": _Field("kernel", "xla|tiled:T (T a positive int)|pallas:BMxBNxBK (each a power of two >= 8)",
+    "matmul_kernel": _Field("kernel", "xla|tiled:T|probed:T (T a positive int)|pallas:BMxBNxBK (each a power of "
+                            "two >= 8)",
                             _either(_one_of("xla"), _typed(Tiled), _typed(Pallas)),
                             "xla = whatever XLA emits; tiled:T = fixed [T, K] row tiles (batch invariant); "
+                            "probed:T = a plain product on rows padded to a bucket where a probe of this backend "
+                            "proved it row-invariant for the shape, tiled:T elsewhere (numerics/invariance.py); "
                             "pallas:BMxBNxBK = the same semantics in Pallas kernels (fixed [BM, BN] output "
                             "blocks, the contraction in BK chunks in a fixed order, f32 accumulation; interpret "
                             "mode on the CPU, compiled on GPU/TPU; jaxalign/numerics/pallas_matmul.py)"),
@@ -301,8 +304,14 @@ class NumericPolicy:
 
     @property
     def tile_rows(self) -> int | None:
-        """Row-tile size of the tiled matmul kernel, or None for the xla kernel."""
+        """Row-tile size of the tiled matmul kernel (`tiled:T`, or `probed:T`'s fallback), or None for the xla
+        kernel."""
         return self.matmul_kernel.rows if isinstance(self.matmul_kernel, Tiled) else None
+
+    @property
+    def probed_kernel(self) -> bool:
+        """`probed:T`: plain products where a probe proved them row-invariant (numerics/invariance.py)."""
+        return isinstance(self.matmul_kernel, Tiled) and self.matmul_kernel.probed
 
     @property
     def pallas_blocks(self) -> tuple[int, int, int] | None:

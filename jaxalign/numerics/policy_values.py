@@ -86,18 +86,24 @@ class DotAlgorithm(_PolicyValue):
 
 @dataclasses.dataclass(frozen=True, repr=False, eq=False)
 class Tiled(_PolicyValue):
-    """`tiled:T`: fixed [T, K] row tiles (batch invariant)."""
+    """`tiled:T`: fixed [T, K] row tiles (batch invariant). `probed:T` (`probed=True`): a plain product on rows
+    padded to a bucket wherever a probe of this backend proved the plain product row-invariant for the shape
+    (`numerics/invariance.py`), and the [T, K] tiles elsewhere (and for grouped products and attention)."""
 
     rows: int
+    probed: bool = False
 
     def __str__(self) -> str:
-        return f"tiled:{self.rows}"
+        return f"{'probed' if self.probed else 'tiled'}:{self.rows}"
 
     @classmethod
     def parse(cls, text: object) -> "Tiled | None":
-        """`Tiled(T)` of `tiled:T` (T a positive int), else None."""
-        rows = _positive_suffix(text, "tiled:", int)
-        return None if rows is None else cls(rows)
+        """`Tiled(T)` of `tiled:T`, `Tiled(T, probed=True)` of `probed:T` (T a positive int), else None."""
+        for prefix, probed in (("tiled:", False), ("probed:", True)):
+            rows = _positive_suffix(text, prefix, int)
+            if rows is not None:
+                return cls(rows, probed)
+        return None
 
 
 @dataclasses.dataclass(frozen=True, repr=False, eq=False)
