@@ -35,7 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxalign.engines import RolloutEngine
+from jaxalign.engines import RolloutEngine, describe
 from jaxalign.model.sharding import make_mesh
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics.sampling import SamplingParams
@@ -357,7 +357,20 @@ class Trainer:
             bar.close()
             if writer is not None:
                 writer.close()
+        self._record_engine(rows)
         return rows
+
+    def _record_engine(self, rows: list[dict]) -> None:
+        """`engine.json` in the run directory, for an engine whose syncs are claims (vLLM): the engine by name,
+        version and numerics, and over the run's rows how many syncs it made and how many were verified."""
+        if not (self.primary and self.rollouts.records_syncs):
+            return
+        syncs = sum(r.get("engine_syncs", 0) for r in rows)
+        verified = sum(r.get("engine_syncs_verified", 0) for r in rows)
+        record = {"engine": describe(self.engine), "syncs": syncs, "syncs_verified": verified,
+                  "every_sync_verified": syncs == verified}
+        with open(os.path.join(self.run_dir, "engine.json"), "w") as f:
+            json.dump(record, f, indent=2)
 
 
 __all__ = ["RLConfig", "TrainBatch", "Trainer", "behaviour_version", "clip_by_global_norm", "make_optimizer",
