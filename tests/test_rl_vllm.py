@@ -174,6 +174,33 @@ def test_a_sigkilled_vllm_run_leaves_no_vllm_process_and_resumes_with_every_sync
 
 
 @pytest.mark.slow
+def test_a_sync_that_fails_its_verification_stops_the_run_with_the_difference(tmp_path):
+    """The trainer handed a vLLM engine that syncs in place (vLLM's reload_weights, which leaves MoE experts in the
+    wrong layout on the CPU: docs/vllm.md): the sync before batch 1 fails its verification, so the run stops with
+    the difference after one row of training, its checkpoint intact; the caller's engine stays open."""
+    _need_vllm()
+    from flax import nnx
+    from jaxalign.engines.vllm import SyncMismatch, VllmEngine
+    from jaxalign.model.config import ModelConfig
+    from jaxalign.model.transformer import Transformer
+    from jaxalign.rl.grpo import GRPOConfig
+    from jaxalign.rl.trainer import RLConfig, Trainer
+    model = Transformer(ModelConfig.preset("countdown-vllm"), rngs=nnx.Rngs(0))
+    config = RLConfig(trainer_policy="fp32", engine_policy="vllm:bf16", steps=2, prompts_per_step=2,
+                      grpo=GRPOConfig(group_size=4), max_new_tokens=8, eval_every=2, eval_problems=4,
+                      checkpoint_every=1)
+    with VllmEngine(model, sync_method="inplace", max_num_seqs=8) as engine:
+        trainer = Trainer(model, config, str(tmp_path / "run"), engine=engine)
+        with pytest.raises(SyncMismatch, match="inplace sync") as err:
+            trainer.run(progress=False)
+        assert err.value.report["differing"] > 0 and err.value.report["max_abs_diff"] > 0
+        assert [r["step"] for r in _rows(tmp_path / "run")] == [0, 1]
+        assert trainer.checkpoints.latest_step() == 1
+        trainer.close()
+        assert engine.worker.alive()  # the trainer closes only the engines it opened
+
+
+@pytest.mark.slow
 @pytest.mark.full_matrix(
     cover="tests/test_rl_vllm.py::test_a_sigkilled_vllm_run_leaves_no_vllm_process_and_resumes_with_every_sync_verified",
     why="the literal command trains the default 900-step SFT warm start first (about 4.5 minutes on 2 cores) and "

@@ -84,9 +84,16 @@ class Rollouts:
         return self.open(self.learner.version, self.learner.params)
 
     @property
+    def opened(self) -> RolloutEngine | None:
+        """The rollout engine if it is open, else None (without opening it)."""
+        return self._engine
+
+    @property
     def records_syncs(self) -> bool:
         """Whether the rollout engine's syncs are claims to record (every engine but jaxalign's own: vLLM)."""
-        return not isinstance(self.engine, LocalEngine)
+        if self._engine is None:
+            return isinstance(self.config.engine_policy, VllmSpec)
+        return not isinstance(self._engine, LocalEngine)
 
     def _shares_engine(self) -> bool:
         """Whether greedy evaluation can use the rollout engine: jaxalign's own under the trainer's policy,

@@ -363,11 +363,12 @@ class Trainer:
     def _record_engine(self, rows: list[dict]) -> None:
         """`engine.json` in the run directory, for an engine whose syncs are claims (vLLM): the engine by name,
         version and numerics, and over the run's rows how many syncs it made and how many were verified."""
-        if not (self.primary and self.rollouts.records_syncs):
-            return
+        engine = self.rollouts.opened
+        if not (self.primary and engine is not None and self.rollouts.records_syncs):
+            return  # (an engine never opened made no sync: a finished run's record stays as it was)
         syncs = sum(r.get("engine_syncs", 0) for r in rows)
         verified = sum(r.get("engine_syncs_verified", 0) for r in rows)
-        record = {"engine": describe(self.engine), "syncs": syncs, "syncs_verified": verified,
+        record = {"engine": describe(engine), "syncs": syncs, "syncs_verified": verified,
                   "every_sync_verified": syncs == verified}
         with open(os.path.join(self.run_dir, "engine.json"), "w") as f:
             json.dump(record, f, indent=2)
