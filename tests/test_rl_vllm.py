@@ -218,3 +218,22 @@ def test_the_experiment_with_a_vllm_arm_exits_0_with_every_sync_verified(tmp_pat
     assert arm["policies"]["engine"] == "vllm:bf16" and arm["engine_syncs"] == arm["engine_syncs_verified"] == 3
     assert json.loads((tmp_path / "exp" / "run.json").read_text())["settings"]["experiment"]["model"] == \
         "countdown-vllm"
+
+
+def test_the_demo_rerun_on_vllm_in_the_docs_is_the_committed_record():
+    """docs/vllm.md's table of the demo's misaligned arm rerun on vLLM is what benchmarks/vllm_demo.py makes of
+    docs/vllm/demo.json, and that record says every sync of the vLLM arm was verified."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("vllm_demo", os.path.join(ROOT, "benchmarks", "vllm_demo.py"))
+    vllm_demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm_demo)
+    with open(vllm_demo.RECORD) as f:
+        record = json.load(f)
+    with open(vllm_demo.DOC) as f:
+        text = f.read()
+    assert vllm_demo.render(text, record) == text, "run python benchmarks/vllm_demo.py"
+    arm = record["arms"]["misaligned-vllm"]
+    assert arm["policies"]["engine"] == "vllm:bf16" and arm["route_flip_rate"] is None
+    assert arm["engine_record"]["every_sync_verified"] is True
+    assert arm["engine_syncs"] == arm["engine_syncs_verified"] == record["config"]["steps"] - 1
+    assert all(k > 0 for k in arm["k3_per_step"]) and len(arm["k3_per_step"]) == record["config"]["steps"]
