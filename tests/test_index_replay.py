@@ -169,5 +169,5 @@ def test_rl_trainer_replays_the_engine_experts_weights_and_index_selections(tmp_
     ids_only, _ = Trainer(build_model("tiny-glm5"), rl_config(replay="r3", **kw), str(tmp_path / "b")).collect()
     assert ids_only.index_replay is None and ids_only.replay_weights is None
     assert np.any((ids_only.weights != 0) & (ids_only.weights != 1.0))
-    _, _, metrics = full._apply_update(batch, full.params, full.opt_state)
+    _, _, metrics = full.learner.apply_update(batch, full.params, full.opt_state)
     assert np.isfinite(float(metrics["loss"]))

@@ -13,6 +13,7 @@ from jaxalign.model.transformer import Transformer
 from jaxalign.rl.grpo import GRPOConfig
 from jaxalign.rl.sft import warm_start
 from jaxalign.numerics import NumericPolicy
+from jaxalign.numerics.sampling import SamplingParams
 from jaxalign.rl import tokenizer
 from jaxalign.rl.trainer import RLConfig, Trainer
 
@@ -105,7 +106,8 @@ def test_aligned_arm_is_exactly_on_policy_and_misaligned_is_not(base, tmp_path):
                     str(tmp_path / "probe"))
     assert probe.eval_engine.policy == NumericPolicy.parse("train-bf16")
     prompts = [probe.task.prompt(p) for p in probe.eval_items[:8]]
-    greedy = [e.generate(prompts, max_new_tokens=6, temperature=0.0, eos_id=tokenizer.EOS).logprobs
+    greedy = [e.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0.0),
+                         eos_id=tokenizer.EOS).logprobs
               for e in (probe.eval_engine, probe.engine)]
     assert not np.array_equal(*greedy)  # the two engines do compute differently
     with open(tmp_path / "aligned" / "metrics.jsonl") as f:

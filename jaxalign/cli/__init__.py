@@ -16,6 +16,7 @@ from jaxalign import runtime
 from jaxalign.cli import check, compare, demo, experiment, golden, import_hf, localize, policies, vllm
 from jaxalign.cli.args import UsageError, finish
 from jaxalign.distributed import initialize_from_env
+from jaxalign.engines.vllm.engine import SyncMismatch
 from jaxalign.engines.vllm.process import VllmUnavailable
 from jaxalign.version import __version__
 
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, VllmUnavailable) as err:  # VllmUnavailable: one line naming what to install
         print(f"jaxalign {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except SyncMismatch as err:  # an engine's weight sync failed its verification: the run stopped, on one line
+        print(f"jaxalign {args.command}: error: {err}; the run stopped (its last checkpoint resumes it)",
+              file=sys.stderr)
+        return 1
     except OSError as err:
         if err.filename is None:  # not about a path the user gave: a bug or the machine, with its traceback
             raise

@@ -79,7 +79,8 @@ def add_parser(sub) -> None:
                         f"default: {' and '.join(exp('arms'))}")
     e.add_argument("--model", type=model_preset, default=exp("model"),
                    help="model preset (a preset only: the run builds it, warm-starts it and trains it); its "
-                        "vocabulary must hold the Countdown tokenizer's, e.g. tiny-glm5, tiny-deepseek-v3")
+                        "vocabulary must hold the Countdown tokenizer's, e.g. tiny-glm5, tiny-deepseek-v3; default: "
+                        "countdown, or countdown-vllm when an arm's engine is vLLM (heads of 32)")
     e.add_argument("--steps", type=positive_int, default=exp("steps"), help="RL steps of each run")
     e.add_argument("--seeds", type=int_list_nonneg, default=_ints_text(exp("seeds")),
                    help="seeds, one run of each arm per seed, e.g. 0,1,2")

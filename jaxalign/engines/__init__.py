@@ -32,6 +32,24 @@ def parse_engine(text: str) -> NumericPolicy | VllmSpec:
     return NumericPolicy.parse(text)
 
 
+def coerce_engine(value: "NumericPolicy | VllmSpec | str", *, label: str = "engine") -> NumericPolicy | VllmSpec:
+    """An engine spec as it is (a `NumericPolicy` or `VllmSpec`); text is read by `parse_engine` (errors name
+    `label`); anything else is refused clearly."""
+    if isinstance(value, (NumericPolicy, VllmSpec)):
+        return value
+    if isinstance(value, str):
+        try:
+            return parse_engine(value)
+        except ValueError as err:
+            raise ValueError(f"{label}: {err}") from None
+    raise ValueError(f"{label} must be a NumericPolicy, a policy string or vllm[:DTYPE], got {type(value).__name__}")
+
+
+def engine_text(spec: NumericPolicy | VllmSpec) -> str:
+    """An engine spec as text that `parse_engine` reads back: a policy's compact form, or `vllm:DTYPE`."""
+    return spec.compact() if isinstance(spec, NumericPolicy) else str(spec)
+
+
 def open_engine(spec: NumericPolicy | VllmSpec | str, model, **kw) -> RolloutEngine:
     """A `RolloutEngine` for `spec` (`parse_engine`'s result or text) holding `model`'s weights: a `LocalEngine`
     for a policy, a `VllmEngine` for `vllm[:DTYPE]` (`model` may then also be a transformers checkpoint
@@ -44,4 +62,5 @@ def open_engine(spec: NumericPolicy | VllmSpec | str, model, **kw) -> RolloutEng
     return LocalEngine(model, spec, **kw)
 
 
-__all__ = ["LocalEngine", "RolloutEngine", "VllmSpec", "check_prompts", "describe", "open_engine", "parse_engine"]
+__all__ = ["LocalEngine", "RolloutEngine", "VllmSpec", "check_prompts", "coerce_engine", "describe", "engine_text",
+           "open_engine", "parse_engine"]

@@ -15,7 +15,8 @@ from jaxalign.version import __version__
 
 class LocalEngine:
     """`jaxalign.engine.Engine` as a `RolloutEngine`: `LocalEngine(model, policy, mesh=None, schedule="static",
-    prefill_chunk=None)`; `.engine` is the wrapped Engine (for what the interface leaves out)."""
+    prefill_chunk=None)`; `.engine` is the wrapped Engine (for what the interface leaves out), `.policy` its
+    policy."""
 
     name = "jaxalign"
     version = __version__
@@ -23,7 +24,7 @@ class LocalEngine:
     def __init__(self, model: Transformer, policy: NumericPolicy, *, mesh=None, schedule: str = "static",
                  prefill_chunk: int | None = None):
         self.engine = Engine(model, policy, mesh=mesh)
-        self.numerics = str(policy)
+        self.policy, self.numerics = policy, str(policy)
         self.schedule, self.prefill_chunk = schedule, prefill_chunk
 
     def generate(self, prompts, *, max_new_tokens: int, sampling: SamplingParams | None = None,

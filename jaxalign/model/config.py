@@ -243,6 +243,11 @@ _PRESETS: dict[str, ModelConfig] = {
     # the RL model: the character vocabulary of jaxalign.rl.tokenizer (31 ids) padded to 32
     "countdown": ModelConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                              dense_mlp_dim=128, n_experts=8, top_k=2, expert_dim=64, qk_norm="head", max_seq_len=64),
+    # `countdown` for vLLM rollouts: the same widths (query 64, key/value 32) as 2 heads of 32, the head size vLLM's
+    # CPU attention needs (32 and up; `countdown`'s 16 is refused); `experiment countdown` picks it for vLLM arms
+    "countdown-vllm": ModelConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32,
+                                  dense_mlp_dim=128, n_experts=8, top_k=2, expert_dim=64, qk_norm="head",
+                                  max_seq_len=64),
     # the RL model for answers with worked steps (`answer_format=steps`): `countdown` with room for 24 prompt and
     # 64 completion tokens
     "countdown-steps": ModelConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -1,7 +1,9 @@
 """Arms as data: `NAME=TRAINER/ENGINE[;correction=MODE][;replay=R][;KEY=VALUE...]`.
 
 TRAINER and ENGINE are numeric-policy strings (`NumericPolicy.parse`: a preset, optionally followed by
-`,key=value` overrides, e.g. `aligned-bf16,kernel=xla`); they are split at the one `/`. Arm options follow the
+`,key=value` overrides, e.g. `aligned-bf16,kernel=xla`); they are split at the one `/`. ENGINE may instead be
+`vllm[:DTYPE]` (DTYPE bf16 default, fp16, fp32): vLLM in its own process generates the arm's rollouts, synced to
+the trainer's weights before every batch and each sync verified (docs/vllm.md), e.g. `real=fp32/vllm:bf16`. Arm options follow the
 engine policy, separated by `;` (always unambiguous) or by `,` (also accepted for a key that is not a policy
 key). A bare built-in name (`aligned`, `misaligned`) stands for its definition in `BUILTIN`.
 
@@ -17,8 +19,9 @@ key). A bare built-in name (`aligned`, `misaligned`) stands for its definition i
   these configs is an option by its annotation alone. The fields in `FIXED` are refused, each with its reason:
   they would make arms incomparable, or another part of the arm sets them.
 
-An `Arm` holds `NumericPolicy` values (parsed once, here) and typed overrides; `Arm.spec()` writes them back as
-compact text (`NumericPolicy.compact`, overrides in `OPTION_KEYS` order), and a built-in arm as its name.
+An `Arm` holds `NumericPolicy` values (and a `jaxalign.engines.VllmSpec` for a vLLM engine), parsed once, here,
+and typed overrides; `Arm.spec()` writes them back as compact text (`NumericPolicy.compact`, overrides in
+`OPTION_KEYS` order), and a built-in arm as its name.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import dataclasses
 import functools
 import re
 
+from jaxalign.engines import VllmSpec, coerce_engine, engine_text
 from jaxalign.numerics import NumericPolicy
 from jaxalign.numerics.policy import FIELDS as POLICY_FIELDS
 from jaxalign.replay_modes import REPLAY_MODES
@@ -58,8 +62,8 @@ FIXED = {
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 GRAMMAR = (f"NAME=TRAINER/ENGINE[;correction=MODE][;replay={'|'.join(REPLAY_MODES)}][;KEY=VALUE...], e.g. "
            "'mine=aligned-bf16,kernel=xla/serve-bf16;correction=tis:2+rs:seq_mean_k1:0.999_1.001;replay=r3;"
-           "learning_rate=2e-3' (KEY: a field of RLConfig, GRPOConfig or CorrectionConfig; lag = max_lag) or a "
-           "built-in name ("
+           "learning_rate=2e-3' (ENGINE may be vllm[:DTYPE]; KEY: a field of RLConfig, GRPOConfig or "
+           "CorrectionConfig; lag = max_lag) or a built-in name ("
            + ", ".join(BUILTIN) + ")")
 
 
@@ -109,7 +113,7 @@ class Arm:
 
     name: str
     trainer: NumericPolicy  # a policy string is accepted and parsed
-    engine: NumericPolicy
+    engine: NumericPolicy | VllmSpec  # or vllm[:DTYPE] (text is parsed)
     correction: str | None = None
     replay: str = "none"
     overrides: tuple[tuple[str, object], ...] = ()
@@ -117,9 +121,9 @@ class Arm:
     def __post_init__(self):
         if not _NAME.match(self.name):
             raise ValueError(f"arm name {self.name!r}: allowed letters, digits and _ . + - (it names a directory)")
-        for side in ("trainer", "engine"):
-            object.__setattr__(self, side, NumericPolicy.coerce(getattr(self, side),
-                                                                label=f"arm {self.name!r}: {side} policy"))
+        object.__setattr__(self, "trainer", NumericPolicy.coerce(self.trainer,
+                                                                 label=f"arm {self.name!r}: trainer policy"))
+        object.__setattr__(self, "engine", coerce_engine(self.engine, label=f"arm {self.name!r}: engine policy"))
         if self.replay not in REPLAY_MODES:
             raise ValueError(f"arm {self.name!r}: replay {self.replay!r}; allowed: {', '.join(REPLAY_MODES)}")
         try:
@@ -137,7 +141,7 @@ class Arm:
         options = "".join(f";{k}={v}" for k, v in (("correction", self.correction), ("replay", self.replay))
                           if v is not None and not (k == "replay" and v == "none"))
         options += "".join(f";{k}={format_value(v)}" for k, v in self.overrides)
-        return f"{self.name}={self.trainer.compact()}/{self.engine.compact()}{options}"
+        return f"{self.name}={self.trainer.compact()}/{engine_text(self.engine)}{options}"
 
     def settings(self, default: CorrectionConfig) -> dict:
         """The RLConfig fields the arm's policies, correction and replay set: trainer_policy, engine_policy,

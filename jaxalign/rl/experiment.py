@@ -1,7 +1,8 @@
 """The seed experiment: the same RL task run in arms that differ only in how trainer and engine compute token
 probabilities (and, where an arm says so, in the rollout correction and router replay).
 
-Arms are data (`jaxalign.rl.arms`): `NAME=TRAINER/ENGINE[;correction=...][;replay=...]`. The defaults:
+Arms are data (`jaxalign.rl.arms`): `NAME=TRAINER/ENGINE[;correction=...][;replay=...]`; ENGINE may be
+`vllm[:DTYPE]` (vLLM generates the arm's rollouts, each sync verified: docs/vllm.md). The defaults:
 - `aligned`: `aligned-bf16` on both sides.
 - `misaligned`: `train-bf16` trainer, `serve-bf16` engine, protected by the experiment's default verl-style
   safeguards (token-level TIS and geometric rejection sampling; thresholds configurable).
@@ -28,6 +29,7 @@ from jaxalign.rl.arms import Arm, parse_arms
 from jaxalign.rl.correction import CorrectionConfig
 from jaxalign.rl.sft import SFTConfig, warm_start
 from jaxalign.rl.task import CountdownTask
+from jaxalign.engines import VllmSpec, engine_text
 from jaxalign.rl.trainer import RLConfig, Trainer
 
 DEFAULT_RS = ("seq_mean_k1:0.999_1.001",)  # verl's "geometric" rejection sampling
@@ -41,7 +43,9 @@ class ExperimentConfig:
     arms: tuple[Arm, ...] = ("aligned", "misaligned")
     seeds: tuple[int, ...] = (0,)
     steps: int = 40
-    model: str = "countdown"
+    # a model preset; None: `countdown`, or `countdown-vllm` (its widths in heads vLLM's CPU attention runs) when
+    # an arm's engine is vLLM
+    model: str | None = None
     prompts_per_step: int = 16
     group_size: int = 8
     max_new_tokens: int = 16
@@ -67,6 +71,7 @@ class ExperimentConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "arms", parse_arms(self.arms))
+        object.__setattr__(self, "model", self.model or default_model(self.arms))
         object.__setattr__(self, "sft", dataclasses.replace(
             self.sft, problem_count=tuple(self.problem_count), max_number=self.max_number,
             max_target=self.max_target, held_out=self.held_out, answer_format=self.answer_format,
@@ -82,6 +87,7 @@ class ExperimentConfig:
         if vocab < tokenizer.VOCAB_SIZE:
             raise ValueError(f"model {self.model!r} has vocab_size {vocab}, fewer than the Countdown tokenizer's "
                              f"{tokenizer.VOCAB_SIZE} ids; allowed: a preset with vocab_size >= {tokenizer.VOCAB_SIZE}")
+        check_vllm_model(self.model, self.arms)
 
     def parsed_arms(self) -> tuple[Arm, ...]:
         """The arms (kept for callers of the string-holding config; `arms` is parsed already)."""
@@ -103,6 +109,33 @@ class ExperimentConfig:
         return CountdownTask(count=tuple(self.problem_count), high=self.max_number, max_target=self.max_target,
                              eval_size=self.eval_problems, held_out=self.held_out, answer_format=self.answer_format,
                              targets=self.targets)
+
+
+def vllm_arms(arms) -> list[str]:
+    """The names of the arms whose engine is vLLM."""
+    return [arm.name for arm in arms if isinstance(arm.engine, VllmSpec)]
+
+
+def default_model(arms) -> str:
+    """The model preset an experiment uses when none is named: `countdown-vllm` when an arm's engine is vLLM (whose
+    CPU attention needs heads of 32 or more), else `countdown`."""
+    return "countdown-vllm" if vllm_arms(arms) else "countdown"
+
+
+def check_vllm_model(model: str, arms) -> None:
+    """A ValueError naming the constraint and the preset to use when an arm's engine is vLLM and `model`'s heads
+    are a size vLLM's CPU attention does not run (the `countdown` preset's 16)."""
+    names = vllm_arms(arms)
+    if not names:
+        return
+    from jaxalign.engines.vllm.engine import CPU_HEAD_SIZES, check_runs_on_vllm_cpu
+    try:
+        check_runs_on_vllm_cpu(ModelConfig.preset(model))
+    except ValueError:
+        raise ValueError(f"model {model!r} has head_dim {ModelConfig.preset(model).head_dim}, and arm "
+                         f"{names[0]!r} runs vLLM, whose CPU attention takes head sizes "
+                         f"{', '.join(map(str, CPU_HEAD_SIZES))} only; use --model countdown-vllm (the countdown "
+                         f"model as 2 heads of 32), the default when an arm's engine is vLLM") from None
 
 
 def run_config(exp: ExperimentConfig, arm: Arm, seed: int) -> RLConfig:
@@ -132,8 +165,10 @@ def run_one(exp: ExperimentConfig, arm: Arm, seed: int, out_dir: str, progress: 
     if done is not None:
         return done
     base = warm_start(ModelConfig.preset(exp.model), exp.sft, os.path.join(out_dir, "cache"), progress=False)
-    # the trainer copies the model: every arm and seed starts from the same warm start
-    return Trainer(base, run_config(exp, arm, seed), run_dir, task=exp.task()).run(progress=progress)
+    # the trainer copies the model: every arm and seed starts from the same warm start; it closes the engine it
+    # opened (a vLLM process) when the run ends or fails
+    with Trainer(base, run_config(exp, arm, seed), run_dir, task=exp.task()) as trainer:
+        return trainer.run(progress=progress)
 
 
 def run_arms(exp: ExperimentConfig, out_dir: str, *, progress: bool = True, what: str = "experiment",
@@ -202,7 +237,9 @@ def seed_summary(rows: list[dict]) -> dict:
     """One run's figures: warm-start / final / peak held-out reward and the rise (final - warm start), the
     sampled training reward over the first and last fifth of the steps, mean KL / k3, largest |dlogp|, rejected
     fraction, route flip rate, mean gradient norm, the number of steps with a nonzero trainer-engine KL, and the
-    staleness/numerics split's per-part mean and largest k3 and mean share (`metrics.staleness.split_summary`)."""
+    staleness/numerics split's per-part mean and largest k3 and mean share (`metrics.staleness.split_summary`).
+    The route flip rate is null for an engine that records no routing (vLLM); a run whose engine verifies its
+    syncs adds their count and how many were verified (`engine_syncs`, `engine_syncs_verified`)."""
     evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
     steps = [r for r in rows if r["step"] > 0 and "rollout_corr/kl" in r]
     fifth = max(1, len(steps) // 5)
@@ -215,11 +252,18 @@ def seed_summary(rows: list[dict]) -> dict:
         "mean_k3": float(np.mean([r["rollout_corr/k3_kl"] for r in steps])),
         "max_abs_logp_diff": float(np.max([r["rollout_corr/max_abs_logp_diff"] for r in steps])),
         "rejected_fraction": float(np.mean([r["rollout_corr/rollout_rs_masked_fraction"] for r in steps])),
-        "route_flip_rate": float(np.mean([r["route_flip_rate"] for r in steps])),
+        "route_flip_rate": _mean([r["route_flip_rate"] for r in steps]),
         "mean_grad_norm": float(np.mean([r["grad_norm"] for r in steps])),
         "steps_with_nonzero_kl": int(sum(r["rollout_corr/k3_kl"] != 0 or r["rollout_corr/kl"] != 0 for r in steps)),
         **split_summary(steps),  # the staleness/numerics split (metrics.staleness): rows written before it lack it
+        **{key: int(sum(r[key] for r in steps)) for key in ("engine_syncs", "engine_syncs_verified")
+           if any(key in r for r in steps)},
     }
+
+
+def _mean(values: list) -> float | None:
+    """The mean of `values`, or None when one is None (a figure the engine does not record)."""
+    return None if any(v is None for v in values) else float(np.mean(values))
 
 
 def summarize(runs: dict, exp: ExperimentConfig) -> dict:
@@ -231,9 +275,9 @@ def summarize(runs: dict, exp: ExperimentConfig) -> dict:
         keys = [k for k in per_seed[0] if k != "seed"]
         spread = {f"{k}_std": float(np.std([s[k] for s in per_seed], ddof=1)) if len(per_seed) > 1 else 0.0
                   for k in ("warm_start_reward", "final_reward", "peak_reward", "rise")}
-        arms[spec.name] = {"policies": {"trainer": spec.trainer.compact(), "engine": spec.engine.compact()},
+        arms[spec.name] = {"policies": {"trainer": spec.trainer.compact(), "engine": engine_text(spec.engine)},
                            "spec": spec.spec(),
-                           **{k: float(np.mean([s[k] for s in per_seed])) for k in keys}, **spread,
+                           **{k: _mean([s[k] for s in per_seed]) for k in keys}, **spread,
                            "per_seed": per_seed}
     return {"config": exp.to_dict(), "arms": arms, "eval_size": len(exp.task().eval_items(exp.seeds[0]))}
 

@@ -1,301 +1,75 @@
-"""The RL trainer: GRPO on a `Task` (Countdown by default) with the rollout engine under one policy and the
-trainer under another.
+"""The RL loop: GRPO on a `Task` (Countdown by default) with the rollout engine under one numeric set-up and the
+trainer under another. The parts, each replaceable on its own:
 
-The parts, each replaceable on its own:
-- `collect` (engine -> reward -> old-policy pass -> rollout correction): items for the step (deterministic in
-  (seed, step)), G completions each from the engine, their rewards, the trainer's logprobs of the same tokens,
-  verl-style correction; returns a `TrainBatch` and the step's metrics.
-- `make_update`: the pure update `(params, opt_state, batch) -> (params, opt_state, metrics)` (one AdamW step on
-  the PPO-clip loss), jitted by the trainer.
-- `Trainer.run`: a thin loop -- collect, update, sync the engine, send the row to the sinks (`metrics.jsonl`,
-  TensorBoard, the progress bar), checkpoint.
-- `RLConfig.max_lag` k >= 1: asynchronous rollouts. A second engine on one worker thread generates batch t with
-  the weights of version `behaviour_version(t, k)` = max(0, t - k) while this thread updates on earlier batches;
-  checkpoints hold the older versions still needed, so a killed run resumes to the same rows (docs/rl.md).
+- `RLConfig` (`rl.config`): everything a run depends on besides its warm-start weights.
+- the learner (`rl.learner`): the trainer's weights on its mesh, the optimizer, the pure jitted update
+  `(params, opt_state, batch) -> (params, opt_state, metrics)` and the trainer's scoring passes.
+- the rollouts (`rl.rollouts`): the arm's engine -- any `jaxalign.engines.RolloutEngine`, jaxalign's own by
+  default or vLLM (`engine_policy = vllm[:DTYPE]`) -- synced to the weights each batch is generated with, every
+  sync of an engine that verifies them checked; the greedy-evaluation engine; the asynchronous worker.
+- collect (`rl.collect`): a batch's rollout -> reward -> old-policy pass -> rollout correction, as a `TrainBatch`
+  and the step's metrics.
+- `Trainer.run` (here): a thin loop -- collect, update, send the row to the sinks (`metrics.jsonl`, TensorBoard,
+  the progress bar), checkpoint.
+
+`RLConfig.max_lag` k >= 1: asynchronous rollouts. The engine, on one worker thread, generates batch t with the
+weights of version `behaviour_version(t, k)` = max(0, t - k) while this thread updates on earlier batches;
+checkpoints hold the older versions still needed, so a killed run resumes to the same rows (docs/rl.md).
 
 The trainer works on its own copy of the model (LoRA adapters are added to the copy; the caller's model is never
 changed). A run directory records its settings, build and host (`rundir`): another configuration on the same
 directory is refused, and after a kill the same command resumes with every metrics row exactly once. Checkpoints
-(orbax) every N steps resume exactly; a non-finite loss stops the run with a resumable checkpoint.
+(orbax) every N steps resume exactly; a non-finite loss stops the run with a resumable checkpoint; an engine sync
+that fails its verification (`SyncMismatch`) stops it with the difference.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxalign.metrics.routing import routing_metrics
-from jaxalign.metrics.staleness import split_metrics
-from jaxalign.engine import Engine
-from jaxalign.model.scoring import sequence_logprobs, token_logprobs
-from jaxalign.model.sharding import (make_mesh, mesh_context, on_first_device, parse_mesh_spec, put_batch, put_global,
-                                     replicated, shard_state, state_shardings, to_host)
+from jaxalign.engines import RolloutEngine, describe
+from jaxalign.model.sharding import make_mesh
 from jaxalign.model.transformer import Transformer
-from jaxalign.numerics import NumericPolicy
-from jaxalign.numerics.collectives import replicate
-from jaxalign.numerics.optimizer import adamw
-from jaxalign.numerics.precision import float16_fields
-from jaxalign.numerics.reduce import global_norm
-from jaxalign.rl import options, rundir, tokenizer
-from jaxalign.replay_modes import REPLAY_MODES, check_replay, replay_parts
-from jaxalign.rl.correction import BYPASS, DECOUPLED, MODES, CorrectionConfig, correct
-from jaxalign.rl.grpo import GRPOConfig, advantages_of, policy_loss
+from jaxalign.numerics.sampling import SamplingParams
+from jaxalign.rl import rundir, tokenizer
+from jaxalign.rl.collect import behaviour_pass, collect, pad_to, rewards_of  # noqa: F401  (pad_to: re-exported)
+from jaxalign.rl.config import RLConfig, behaviour_version
+from jaxalign.rl.learner import (Learner, TrainBatch, clip_by_global_norm, make_optimizer,  # noqa: F401  (re-exported)
+                                 make_update)
+from jaxalign.rl.rollouts import Rollouts, sync_fields
 from jaxalign.rl.task import PROMPT_WIDTH, CountdownTask, Task  # noqa: F401  (PROMPT_WIDTH: used by sft)
-
-
-
-@dataclasses.dataclass(frozen=True)
-class RLConfig:
-    """Everything an RL run depends on (besides the warm-start weights)."""
-
-    trainer_policy: NumericPolicy = NumericPolicy.preset("aligned-bf16")  # a policy string is accepted and parsed
-    engine_policy: NumericPolicy = NumericPolicy.preset("aligned-bf16")
-    steps: int = 20
-    prompts_per_step: int = 8
-    max_new_tokens: int = 24
-    temperature: float = 1.0
-    learning_rate: float = 3e-4
-    ppo_epochs: int = 1  # passes over each collected batch (PPO epochs)
-    # each pass splits the batch into this many disjoint minibatches, one optimizer step each (verl's
-    # ppo_mini_batch_size = batch / minibatches): after the first, the PPO ratio leaves 1 and the clip acts
-    minibatches: int = 1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    mode: str = DECOUPLED
-    replay: str = "none"
-    grpo: GRPOConfig = GRPOConfig()
-    correction: CorrectionConfig = CorrectionConfig()
-    seed: int = 0
-    checkpoint_every: int = 5
-    eval_every: int = 5
-    eval_problems: int = 64
-    engine_batch: int | None = None
-    problem_count: tuple[int, int] = (3, 3)
-    lora_rank: int = 0  # 0 = full fine-tuning
-    lora_alpha: float = 16.0
-    lora_targets: tuple[str, ...] | None = None  # None: the model's attention projections (`attention_targets`)
-    trainer_mesh: str = ""  # a mesh spec (`jaxalign.make_mesh`), e.g. "data=2,expert=2,tensor=2"; "" = one device
-    engine_mesh: str = ""  # with several processes: a mesh over each process's own devices
-    max_lag: int = 0  # k: batch t is generated with the weights of version max(0, t - k) (0 = synchronous)
-    # measure the numerics/staleness split on every N-th batch (0: never). At lag > 0 it costs one more trainer
-    # pass, at the older weights (on the rollout worker); at lag 0 it is free and always measured.
-    split_every: int = 1
-    # at each evaluation also sample the held-out prompts from the engine (temperature `temperature`) and report
-    # their mean reward as `eval_engine_reward`: what the engine's numerics make of the policy
-    eval_sampled: bool = False
-
-    def __post_init__(self):
-        for side in ("trainer_policy", "engine_policy"):
-            object.__setattr__(self, side, NumericPolicy.coerce(getattr(self, side), label=side))
-        if float16_fields(self.trainer_policy):
-            raise ValueError(
-                f"trainer_policy asks for f16 in {', '.join(float16_fields(self.trainer_policy))}: float16 training "
-                f"needs dynamic loss scaling (gradients below 6e-8 flush to zero, above 65504 overflow), which "
-                f"jaxalign does not implement; allowed trainer dtypes: f32, bf16 (an f16 engine_policy is allowed)")
-        parse_mesh_spec(self.trainer_mesh)
-        parse_mesh_spec(self.engine_mesh)
-        if self.mode not in MODES:
-            raise ValueError(f"mode = {self.mode!r}; allowed: {', '.join(MODES)}")
-        check_replay(self.replay, REPLAY_MODES)
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "checkpoint_every", "eval_every",
-                     "eval_problems", "ppo_epochs", "minibatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RLConfig.{name} = {getattr(self, name)}; allowed: >= 1")
-        if not isinstance(self.split_every, int) or isinstance(self.split_every, bool) or self.split_every < 0:
-            raise ValueError(f"RLConfig.split_every = {self.split_every!r}; allowed: an int >= 0 (0 = never at "
-                             f"lag > 0)")
-        rows = self.prompts_per_step * self.grpo.group_size
-        if rows % self.minibatches:
-            raise ValueError(f"RLConfig.minibatches = {self.minibatches} does not divide the batch of {rows} rows "
-                             f"(prompts_per_step x group_size); allowed: a divisor of {rows}")
-        if not isinstance(self.max_lag, int) or isinstance(self.max_lag, bool) or self.max_lag < 0:
-            raise ValueError(f"RLConfig.max_lag = {self.max_lag!r}; allowed: an int >= 0 (0 = synchronous rollouts)")
-
-    @classmethod
-    def parse_option(cls, key: str, text: str):
-        """The typed value of field `key` written as `text` (`jaxalign.rl.options`), e.g. ("learning_rate",
-        "2e-3") -> 0.002; a clear error naming the key, the value and what is allowed."""
-        return options.parse_option(cls, key, text)
-
-    def to_dict(self) -> dict:
-        """JSON-ready form; policies as compact text (`NumericPolicy.compact`)."""
-        out = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, NumericPolicy):
-                value = value.compact()
-            elif dataclasses.is_dataclass(value):
-                value = dataclasses.asdict(value)
-            out[field.name] = value
-        if not self.max_lag:  # synchronous runs record what they recorded before the field existed (they resume)
-            del out["max_lag"]
-        # likewise the fields added later, at the values runs had before them
-        for name, legacy in (("split_every", 1), ("minibatches", 1), ("eval_sampled", False)):
-            if getattr(self, name) == legacy:
-                del out[name]
-        return json.loads(json.dumps(out))
-
-
-def behaviour_version(step: int, max_lag: int) -> int:
-    """The weight version that generates batch `step` (0-based) at lag `max_lag`: max(0, step - max_lag). Version
-    v = the weights after v updates. A fixed function of (step, lag), never of timing, so an asynchronous run is
-    as reproducible and resumable as a synchronous one."""
-    return max(0, step - max_lag)
-
-
-def clip_by_global_norm(max_norm: float, policy: NumericPolicy) -> optax.GradientTransformation:
-    """optax's clip_by_global_norm with the norm summed as the trainer policy's `reduction` says
-    (`numerics.reduce.global_norm`), so clipping is as reproducible across meshes as the gradients are."""
-
-    def update(updates, state, params=None):
-        del params
-        norm = global_norm(updates, policy)
-        scale = jnp.where(norm < max_norm, jnp.ones_like(norm), max_norm / norm)
-        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
-def make_optimizer(learning_rate: float, weight_decay: float, grad_clip: float, lora_only: bool = False,
-                   policy: NumericPolicy | None = None) -> optax.GradientTransformation:
-    """AdamW with global-norm gradient clipping (norm summed as `policy` says; optax's own when None); with
-    `lora_only`, every non-adapter parameter is frozen."""
-    if policy is None:
-        opt = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(learning_rate, weight_decay=weight_decay))
-    else:  # the norm's order and AdamW's multiply-adds as the policy says (numerics.optimizer)
-        opt = optax.chain(clip_by_global_norm(grad_clip, policy), adamw(learning_rate, weight_decay, policy))
-    if not lora_only:
-        return opt
-    from jaxalign.model.lora import is_lora_path
-
-    def labels(params):
-        return jax.tree_util.tree_map_with_path(lambda path, _: "train" if is_lora_path(path) else "freeze",
-                                                params)
-    return optax.multi_transform({"train": opt, "freeze": optax.set_to_zero()}, labels)
-
-
-def pad_to(array: np.ndarray, width: int, axis: int, value) -> np.ndarray:
-    """Right-pad (or check) `array` along `axis` to `width`."""
-    extra = width - array.shape[axis]
-    if extra < 0:
-        raise ValueError(f"sequence of length {array.shape[axis]} exceeds the trainer width {width}")
-    pad = [(0, 0)] * array.ndim
-    pad[axis] = (0, extra)
-    return np.pad(array, pad, constant_values=value)
-
-
-def rewards_of(rollout, items: list, task: Task) -> np.ndarray:
-    """The task's reward of each completion, float32 [R]."""
-    return np.array([task.reward(item, rollout.completion(i)) for i, item in enumerate(items)], np.float32)
-
-
-class TrainBatch(NamedTuple):
-    """One update's inputs (a pytree; per-token arrays are [B, width-1], tokens [B, width]).
-
-    `logp_old` is the PPO ratio's denominator (the trainer's old-policy logprobs, or the engine's in bypass mode);
-    `weights` the rollout-correction IS weights and `mask` the accepted completion tokens; `replay` the routing
-    the trainer's forward pass replays (None: its own router), `replay_weights` the engine's combine weights
-    (r3w), `index_replay` the engine's DSA index selections (+index); `logp_ref` the frozen reference's logprobs
-    for the KL penalty (None without one)."""
-
-    tokens: np.ndarray
-    logp_old: np.ndarray
-    advantages: np.ndarray
-    weights: np.ndarray
-    mask: np.ndarray
-    replay: np.ndarray | None = None
-    logp_ref: np.ndarray | None = None
-    replay_weights: np.ndarray | None = None
-    index_replay: np.ndarray | None = None
-
-
-def make_update(graphdef, policy: NumericPolicy, optimizer: optax.GradientTransformation, config: RLConfig):
-    """The pure update `(params, opt_state, batch) -> (params, opt_state, metrics)`: one optimizer step on the
-    PPO-clip loss of `batch` (a `TrainBatch`); metrics are `loss`, `grad_norm` and `policy_loss`'s statistics.
-    Under `cross_device=ordered` the loss and the clipping norm are summed on one device, in one-device order."""
-    ordered = policy.ordered_cross_device
-
-    def update(params, opt_state, batch: TrainBatch):
-        def loss_fn(p):
-            lp, _ = sequence_logprobs(nnx.merge(graphdef, p), batch.tokens, policy, replay=batch.replay,
-                                      temperature=config.temperature, replay_weights=batch.replay_weights,
-                                      index_replay=batch.index_replay)
-            per_token = (lp, batch.logp_old, batch.advantages, batch.weights, batch.mask, batch.logp_ref)
-            if ordered:  # the loss sums over the whole batch: on one device, in the one-device order
-                per_token = replicate(per_token)
-            return policy_loss(*per_token[:5], config.grpo, logp_ref=per_token[5], policy=policy,
-                               max_tokens=config.max_new_tokens)
-
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        if ordered:  # the clipping norm sums over every (sharded) gradient: replicated, it sums in one place
-            grads, params, opt_state = replicate((grads, params, opt_state))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics = {"loss": loss, "grad_norm": global_norm(grads, policy), **stats}
-        return optax.apply_updates(params, updates), opt_state, metrics
-
-    return update
 
 
 class Trainer:
     """Runs GRPO for `config.steps` steps from a copy of `model`'s weights on `task` (default: Countdown from
-    the config's `problem_count` / `eval_problems`), writing into `run_dir`."""
+    the config's `problem_count` / `eval_problems`), writing into `run_dir`.
 
-    def __init__(self, model: Transformer, config: RLConfig, run_dir: str, task: Task | None = None):
+    `engine`: the rollout engine (a `jaxalign.engines.RolloutEngine` holding `model`'s weights; the caller closes
+    it), or None for the arm's own, opened when first needed from `config.engine_policy` (jaxalign's engine, or
+    vLLM in its own process) and closed by `close()` (or at the end of a `with` block)."""
+
+    def __init__(self, model: Transformer, config: RLConfig, run_dir: str, task: Task | None = None,
+                 engine: RolloutEngine | None = None):
         if model.config.vocab_size < tokenizer.VOCAB_SIZE:
             raise ValueError(f"model vocab_size {model.config.vocab_size} < tokenizer vocab {tokenizer.VOCAB_SIZE}")
         self.config, self.run_dir = config, run_dir
         self.task = task or CountdownTask(count=tuple(config.problem_count), eval_size=config.eval_problems)
         start_weights = rundir.weights_fingerprint(nnx.state(model))
-        model = nnx.clone(model)  # the trainer's own copy: LoRA and updates never touch the caller's model
-        if config.lora_rank:
-            from jaxalign.model.lora import add_lora, has_lora
-            if not has_lora(model):
-                add_lora(model, config.lora_rank, config.lora_alpha, config.lora_targets, seed=config.seed)
-        self.model = model
-        self.trainer_policy = config.trainer_policy
-        self.mesh = make_mesh(config.trainer_mesh) if config.trainer_mesh else None
+        self.learner = Learner(model, config)
         engine_devices = jax.local_devices() if jax.process_count() > 1 else None
         engine_mesh = make_mesh(config.engine_mesh, engine_devices) if config.engine_mesh else None
-        self.graphdef, self.params = nnx.split(model)
-        self.params = shard_state(self.params, self.mesh)
-        if self.mesh is None:  # placed as the updates will leave them: every program specialised once
-            self.params = on_first_device(self.params)
-        nnx.update(self.model, self.params)
-        self.engine = Engine(model, config.engine_policy, mesh=engine_mesh)  # from the placed weights
-        # greedy evaluation decodes under the trainer's policy, so every arm of an experiment is scored alike
-        self.eval_engine = (self.engine if config.engine_policy == config.trainer_policy
-                            else Engine(model, config.trainer_policy, mesh=engine_mesh))
-        # asynchronous rollouts (max_lag k >= 1): a second engine, driven by one worker thread, generates batch t
-        # with the weights of version behaviour_version(t, k) while this thread scores and updates earlier batches
-        self.behaviour = {0: self.params}  # weight version -> weights, for the versions pending batches need
-        self._pending = {}  # step -> Future of the Rollout generated for it
-        self.rollout_engine, self._worker = None, None
-        if config.max_lag:
-            self.rollout_engine = Engine(model, config.engine_policy, mesh=engine_mesh)
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxalign-rollouts")
+        self.rollouts = Rollouts(self.learner, self.task, config, engine=engine, engine_mesh=engine_mesh)
         self.last_logprobs = None  # the last collected batch's per-token logprobs (see `collect`)
-        # the frozen reference for the optional KL penalty: the weights the run starts from
-        self.reference = (nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.params))
-                          if config.grpo.kl_coef > 0 else None)
-        self.optimizer = make_optimizer(config.learning_rate, config.weight_decay, config.grad_clip,
-                                        lora_only=bool(config.lora_rank), policy=self.trainer_policy)
-        self.opt_state = self._shard_opt_state(self.optimizer.init(self.params))
-        # the state a run starts from (immutable arrays): where a run goes back to when its rows are not all there
-        self._start = {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state}
+        self._eval_syncs = []  # the syncs the current evaluation made (the sampled one, at lag >= 1)
         self.width = self.task.prompt_width + config.max_new_tokens
-        self.step = 0
         from jaxalign.distributed import is_primary
         self.primary = is_primary()  # with several processes, one writes the run's files
         if self.primary:  # refuse a directory in use, or holding another configuration's run, before touching it
@@ -308,22 +82,33 @@ class Trainer:
             os.path.abspath(os.path.join(run_dir, "checkpoints")),
             options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
         self.eval_items = self.task.eval_items(config.seed)
-        self._update = self._compile_update()
 
-    # --- placement ------------------------------------------------------------------------------------------
-    def _shard_opt_state(self, opt_state):
-        """Optimizer moments split like their parameters; counters replicated (on one device: all on it)."""
-        if self.mesh is None:
-            return on_first_device(opt_state)
-        keystr = jax.tree_util.keystr
-        by_path = {keystr(path): s for path, s in jax.tree_util.tree_flatten_with_path(
-            state_shardings(self.params, self.mesh))[0]}
+    # --- the parts, by the names the loop had before it was split ---------------------------------------------
+    step = property(lambda self: self.learner.version, lambda self, v: setattr(self.learner, "version", v),
+                    doc="The current weight version: how many updates the weights have had.")
+    model = property(lambda self: self.learner.model, doc="The trainer's model (its own copy).")
+    params = property(lambda self: self.learner.params, lambda self, v: setattr(self.learner, "params", v),
+                      doc="The trainer's parameters (nnx.State).")
+    opt_state = property(lambda self: self.learner.opt_state, lambda self, v: setattr(self.learner, "opt_state", v),
+                         doc="The optimizer state.")
+    graphdef = property(lambda self: self.learner.graphdef, doc="The model's graph definition.")
+    mesh = property(lambda self: self.learner.mesh, doc="The trainer's mesh (None: one device).")
+    trainer_policy = property(lambda self: self.learner.policy, doc="The trainer's numeric policy.")
+    reference = property(lambda self: self.learner.reference, doc="The KL penalty's frozen reference, or None.")
+    engine = property(lambda self: self.rollouts.engine, doc="The rollout engine (a RolloutEngine).")
+    eval_engine = property(lambda self: self.rollouts.eval_engine, doc="The greedy-evaluation engine.")
+    behaviour = property(lambda self: self.rollouts.behaviour, doc="Weight versions pending batches need.")
+    _pending = property(lambda self: self.rollouts._pending, doc="step -> Future of its generated batch.")
 
-        def place(path, x):
-            name = keystr(path)
-            match = [s for p, s in by_path.items() if name.endswith(p)]  # mu[...]/nu[...] end with a param path
-            return put_global(x, match[0] if match else replicated(self.mesh))
-        return jax.tree_util.tree_map_with_path(place, opt_state)
+    def close(self) -> None:
+        """Stop the rollout worker and close the engines the trainer opened (a vLLM process). Harmless twice."""
+        self.rollouts.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # --- state ----------------------------------------------------------------------------------------------
     def _kept_versions(self, step: int) -> range:
@@ -363,203 +148,78 @@ class Trainer:
         if usable:
             self.restore(max(usable))
             return
-        self._drop_pending()
-        nnx.replace_by_pure_dict(self.params, self._start["params"])
-        self.opt_state, self.step = self._start["opt_state"], 0
-        self.behaviour = {0: self.params}
-        nnx.update(self.model, self.params)
-        self.engine.sync_weights(self.model)
+        self.rollouts.forget_engine_weights()
+        self.learner.set_state(self.learner.start["params"], self.learner.start["opt_state"])
+        self.step = 0
+        self.rollouts.behaviour = {0: self.params}
 
     def restore(self, latest: int) -> None:
         """Resume from the checkpoint of step `latest`."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._state_tree(latest))
         restored = self.checkpoints.restore(latest, args=ocp.args.StandardRestore(abstract))
-        self._drop_pending()
-        nnx.replace_by_pure_dict(self.params, restored["params"])
-        self.opt_state = restored["opt_state"]
+        self.rollouts.forget_engine_weights()
+        self.learner.set_state(restored["params"], restored["opt_state"])
         self.step = int(restored["step"])
-        self.behaviour = {self.step: self.params}
+        behaviour = {self.step: self.params}
         for key, pure in restored.get("behaviour", {}).items():
             version = jax.tree.map(lambda x: x, self.params)  # fresh variables, the same structure
             nnx.replace_by_pure_dict(version, pure)
-            self.behaviour[int(key[1:])] = version
-        nnx.update(self.model, self.params)
-        self.engine.sync_weights(self.model)
+            behaviour[int(key[1:])] = version
+        self.rollouts.behaviour = behaviour
 
-    # --- asynchronous rollouts ------------------------------------------------------------------------------
-    def _drop_pending(self) -> None:
-        """Forget the batches generated ahead (cancelled, or waited for when already running)."""
-        for future in self._pending.values():
-            future.cancel()
-        for future in self._pending.values():
-            if not future.cancelled():
-                future.exception()
-        self._pending = {}
-
-    def _generate_with(self, step: int, params, version: int):
-        """(worker thread) Batch `step` from the rollout engine holding `params` (weight version `version`), and,
-        when those are not the weights the batch will be trained at, the trainer's pass over it at `params`
-        (`_behaviour_pass`): the worker, not the trainer's thread, pays for the older weights."""
-        model = nnx.merge(self.graphdef, jax.tree.map(lambda x: x, params))
-        self.rollout_engine.sync_weights(model)
-        rollout = self.generate(step, self.rollout_engine)
-        return rollout, (self._behaviour_pass(model, rollout) if version != step and self.splits(step) else None)
-
+    # --- collect --------------------------------------------------------------------------------------------
     def splits(self, step: int) -> bool:
         """Whether batch `step` measures the numerics/staleness split (`RLConfig.split_every`)."""
         every = self.config.split_every
         return every > 0 and step % every == 0
 
-    def _trainer_inputs(self, rollout):
-        """What the trainer's passes over `rollout` read: (tokens, engine routes, the experts replayed to the
-        trainer or None, the replay keywords of `token_logprobs`)."""
-        cfg = self.config
-        tokens = pad_to(rollout.tokens, self.width, 1, tokenizer.PAD)
-        engine_routes = pad_to(np.asarray(rollout.routing.indices), self.width, 1, -1)
-        expert_replay, with_index = replay_parts(cfg.replay)
-        replay_kw = {"replay_weights": None, "index_replay": None}
-        if expert_replay == "r3w":
-            replay_kw["replay_weights"] = pad_to(np.asarray(rollout.routing.weights), self.width, 1, 0.0)
-        if with_index:
-            if rollout.routing.index_positions is None:
-                raise ValueError(f"replay = {cfg.replay!r} replays DSA index selections; this model has none")
-            replay_kw["index_replay"] = pad_to(np.asarray(rollout.routing.index_positions), self.width, 1, -1)
-        engine_experts = engine_routes if expert_replay in ("r3", "r3w") else None
-        return tokens, engine_routes, engine_experts, replay_kw
-
-    def _behaviour_pass(self, model, rollout):
-        """The trainer's per-token logprobs and routes of `rollout` under `model` (the weights that generated it):
-        the numerics/staleness split's middle term."""
-        tokens, _, engine_experts, replay_kw = self._trainer_inputs(rollout)
-        lp, record = token_logprobs(model, tokens, self.trainer_policy, temperature=self.config.temperature,
-                                    replay=engine_experts, mesh=self.mesh, **replay_kw)
-        return to_host(lp), to_host(record.indices)
-
-    def _schedule(self) -> None:
-        """Queue every batch up to `step + k` whose weight version exists (all of them: version
-        max(0, s - k) <= step), each with that version's weights; the worker runs them in step order."""
-        k = self.config.max_lag
-        for s in range(self.step, min(self.step + k, self.config.steps - 1) + 1):
-            if s not in self._pending:
-                version = behaviour_version(s, k)
-                self._pending[s] = self._worker.submit(self._generate_with, s, self.behaviour[version], version)
-
-    # --- the update -----------------------------------------------------------------------------------------
-    def _compile_update(self):
-        """The jitted update; on a mesh its outputs keep the parameters' and optimizer state's placement."""
-        update = make_update(self.graphdef, self.trainer_policy, self.optimizer, self.config)
-        if self.mesh is None:
-            return jax.jit(update)
-        shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
-        return jax.jit(update, out_shardings=(shardings(self.params), shardings(self.opt_state), None))
-
-    def _apply_update(self, batch: TrainBatch, params, opt_state):
-        """Run the update from (params, opt_state) on the trainer's mesh (rows of the batch split)."""
-        if self.mesh is None:
-            return self._update(params, opt_state, jax.tree.map(jnp.asarray, batch))
-        with mesh_context(self.mesh):
-            return self._update(params, opt_state, jax.tree.map(lambda b: put_batch(b, self.mesh), batch))
-
-    # --- collect --------------------------------------------------------------------------------------------
-    def _items(self, step: int) -> list:
-        cfg = self.config
-        return [p for p in self.task.train_items(step, cfg.prompts_per_step, cfg.seed)
-                for _ in range(cfg.grpo.group_size)]
-
-    def generate(self, step: int, engine: Engine | None = None):
-        """The rollout of batch `step` (G completions of each of its items) from `engine` (default: the trainer's
+    def generate(self, step: int, engine: RolloutEngine | None = None):
+        """The rollout of batch `step` (G completions of each of its items) from `engine` (default: the rollout
         engine) at whatever weights it holds; sampling is seeded by (seed, step)."""
-        cfg, items = self.config, self._items(step)
-        return (engine or self.engine).generate(
-            [self.task.prompt(p) for p in items], max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            eos_id=tokenizer.EOS, seed=cfg.seed * 1_000_003 + step, batch_size=cfg.engine_batch)
+        return self.rollouts.generate(step, engine)
+
+    def _behaviour_of(self, step: int, version: int):
+        """The pass the worker runs with batch `step` generated at `version`: the trainer's at those weights when
+        they are not the ones the batch is trained at and the split is measured on it, else None."""
+        if version == step or not self.splits(step):
+            return None
+        return lambda model, rollout: behaviour_pass(self.learner, model, rollout, self.width)
 
     def collect(self, rollout=None, version: int | None = None, behaviour=None) -> tuple[TrainBatch, dict]:
-        """Engine -> reward -> old-policy pass -> rollout correction for the current step: the update's batch
-        and the step's rollout metrics.
-
-        `rollout`: the step's batch as generated with the weights of `version` (default: generated here by the
-        engine, which holds the current weights). The PPO ratio's old policy is the trainer at the current
-        weights (AReaL's proximal policy); the correction's ratio is that against the engine (the behaviour
-        policy), and its log splits per token into numerics (engine vs trainer, both at the behaviour weights)
-        plus staleness (trainer at the current vs the behaviour weights), reported as `numerics/...` and
-        `staleness/...` (`metrics.staleness`). `behaviour`: the trainer's pass at the behaviour weights when
-        the worker made it (`_behaviour_pass`), else it runs here. `self.last_logprobs` keeps the three per-token
-        logprobs."""
-        cfg = self.config
-        items = self._items(self.step)
+        """Engine -> reward -> old-policy pass -> rollout correction for the current step (`rl.collect.collect`):
+        the update's batch and the step's rollout metrics. `rollout`: the step's batch as generated with the
+        weights of `version` (default: generated here by the engine at the current weights); `behaviour`: the
+        trainer's pass at those weights when the worker made it, else it runs here if the split is measured.
+        `self.last_logprobs` keeps the three per-token logprobs."""
         if rollout is None:
+            self.rollouts.at(self.step, self.params)
             rollout = self.generate(self.step)
         version = self.step if version is None else version
-        rewards = rewards_of(rollout, items, self.task)
-        advantages = advantages_of(rewards, cfg.grpo)
-        logp_rollout = pad_to(rollout.logprobs, self.width - 1, 1, 0.0)
-        mask = pad_to(rollout.mask, self.width - 1, 1, False)
-        tokens, engine_routes, engine_experts, replay_kw = self._trainer_inputs(rollout)
-        expert_replay, _ = replay_parts(cfg.replay)
-        lp_old, old_record = token_logprobs(self.model, tokens, self.trainer_policy, temperature=cfg.temperature,
-                                            replay=engine_experts, mesh=self.mesh, **replay_kw)
-        lp_old, old_indices = to_host(lp_old), to_host(old_record.indices)
-        replay = {"none": None, "r3": engine_routes, "r3w": engine_routes, "r2": old_indices}[expert_replay]
-        logp_behaviour = logp_rollout if cfg.mode == BYPASS else lp_old  # the PPO ratio's denominator
-        weights, accept, corr_metrics = correct(lp_old, logp_rollout, mask, cfg.correction)
-        if cfg.mode == BYPASS:
-            weights = accept.astype(np.float32)  # pi_old := pi_rollout: the PPO ratio carries the mismatch
-        logp_ref = None
-        if self.reference is not None:
-            logp_ref = to_host(token_logprobs(self.reference, tokens, self.trainer_policy,
-                                              temperature=cfg.temperature, replay=replay, mesh=self.mesh,
-                                              **replay_kw)[0])
-        if version == self.step:  # the behaviour weights are the current ones: the same pass
-            lp_behaviour, behaviour_indices = lp_old, old_indices
-        elif self.splits(self.step):
-            lp_behaviour, behaviour_indices = behaviour or self._behaviour_pass(
-                nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.behaviour[version])), rollout)
-        else:  # not measured on this batch (split_every)
-            lp_behaviour, behaviour_indices = None, None
-        self.last_logprobs = {"current": lp_old, "behaviour": lp_behaviour, "engine": logp_rollout, "mask": mask}
-        forwarded = (engine_routes >= 0).all(-1).all(-1)
-        flips = routing_metrics(engine_routes, old_indices, valid=forwarded)
-        split = {}
-        if lp_behaviour is not None:
-            numerics_flips = routing_metrics(engine_routes, behaviour_indices, valid=forwarded)
-            stale_flips = routing_metrics(behaviour_indices, old_indices, valid=forwarded)
-            split = {**split_metrics(lp_old, lp_behaviour, logp_rollout, mask),
-                     "numerics/route_flip_rate": numerics_flips["route_flip_rate"],
-                     "numerics/route_token_any_flip": numerics_flips["route_token_any_flip"],
-                     "staleness/route_flip_rate": stale_flips["route_flip_rate"]}
-        batch = TrainBatch(tokens=tokens, logp_old=np.asarray(logp_behaviour, np.float32),
-                           advantages=np.asarray(advantages), weights=np.asarray(weights), mask=np.asarray(accept),
-                           replay=replay, logp_ref=logp_ref, **replay_kw)
-        metrics = {"reward_mean": float(rewards.mean()), "reward_correct_fraction": float((rewards == 1.0).mean()),
-                   "response_length": float(rollout.completion_lens.mean()), **corr_metrics,
-                   "route_flip_rate": flips["route_flip_rate"],
-                   "route_token_any_flip": flips["route_token_any_flip"],
-                   "behaviour_version": version, "lag": self.step - version, **split}
+        if behaviour is None and self._behaviour_of(self.step, version) is not None:
+            behaviour = behaviour_pass(self.learner, self.learner.version_model(self.behaviour[version]), rollout,
+                                       self.width)
+        batch, metrics, self.last_logprobs = collect(self.learner, rollout, self.rollouts.items(self.step),
+                                                     self.task, self.width, step=self.step, version=version,
+                                                     behaviour=behaviour)
         return batch, metrics
 
+    # --- a step ---------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        """One GRPO step (collect, `ppo_epochs` updates on the batch, sync the engine); returns its metrics row
-        (the update's metrics are the last epoch's). With `max_lag` k >= 1 the step's batch comes from the
-        worker (generated with the weights of version max(0, step - k)), and once the update is done the batches
-        the new weights generate are queued."""
+        """One GRPO step (sync the engine to the current weights, collect, `ppo_epochs` passes of optimizer steps
+        on the batch); returns its metrics row. With `max_lag` k >= 1 the step's batch comes from the worker
+        (generated with the weights of version max(0, step - k)), and once the update is done the batches the
+        new weights generate are queued. Rows of a run whose engine verifies its syncs (vLLM) count them
+        (`rl.rollouts.sync_fields`)."""
         k = self.config.max_lag
         if k:
-            self._schedule()
-            rollout, behaviour = self._pending.pop(self.step).result()
+            self.rollouts.schedule(self.step, self._behaviour_of)
+            rollout, behaviour, syncs = self.rollouts.take(self.step)
             batch, rollout_metrics = self.collect(rollout, behaviour_version(self.step, k), behaviour)
         else:
-            batch, rollout_metrics = self.collect()
-        params, opt_state = self.params, self.opt_state
-        steps_metrics = []
-        for epoch in range(self.config.ppo_epochs):
-            for rows in self.minibatch_rows(epoch):
-                part = batch if rows is None else jax.tree.map(lambda a: a[rows], batch)
-                params, opt_state, metrics = self._apply_update(part, params, opt_state)
-                steps_metrics.append(metrics)
-        # each statistic's mean over the step's optimizer steps (the first minibatch's ratio is exactly 1 when
-        # on-policy; the clip acts on the later ones)
-        update_metrics = {name: float(np.mean([float(m[name]) for m in steps_metrics])) for name in steps_metrics[0]}
+            syncs = self.rollouts.at(self.step, self.params)
+            batch, rollout_metrics = self.collect(self.generate(self.step))
+        passes = [self.minibatch_rows(epoch) for epoch in range(self.config.ppo_epochs)]
+        params, opt_state, update_metrics = self.learner.update(batch, passes)
         loss, gnorm = update_metrics["loss"], update_metrics["grad_norm"]
         if not (np.isfinite(loss) and np.isfinite(gnorm)):
             if self.checkpoints.latest_step() != self.step:
@@ -567,14 +227,11 @@ class Trainer:
             raise FloatingPointError(
                 f"non-finite loss ({loss}) or gradient norm ({gnorm}) at step {self.step}; the run stopped and the "
                 f"last good state is checkpointed in {self.run_dir}/checkpoints (step {self.step})")
-        self.params, self.opt_state = params, opt_state
-        nnx.update(self.model, self.params)
-        self.engine.sync_weights(self.model)
+        self.learner.commit(params, opt_state)
         self.step += 1
         if k:
-            self.behaviour[self.step] = self.params
-            self.behaviour = {v: p for v, p in self.behaviour.items() if v >= behaviour_version(self.step, k)}
-            self._schedule()  # the worker starts on the batches these weights generate
+            self.rollouts.keep_versions(self.step)
+            self.rollouts.schedule(self.step, self._behaviour_of)  # the worker starts on these weights' batches
         stats = {name: v for name, v in update_metrics.items() if name not in ("loss", "grad_norm")}
         return {"step": self.step, **{k: rollout_metrics[k] for k in ("reward_mean", "reward_correct_fraction",
                                                                        "response_length")},
@@ -583,7 +240,14 @@ class Trainer:
                 "route_flip_rate": rollout_metrics["route_flip_rate"],
                 "route_token_any_flip": rollout_metrics["route_token_any_flip"],
                 **{name: v for name, v in rollout_metrics.items()
-                   if name in ("behaviour_version", "lag") or name.startswith(("numerics/", "staleness/"))}}
+                   if name in ("behaviour_version", "lag") or name.startswith(("numerics/", "staleness/"))},
+                **self._sync_fields(syncs)}
+
+    def _sync_fields(self, reports: list[dict]) -> dict:
+        """`sync_fields` of a step's sync reports, present on every row of a run whose engine verifies syncs."""
+        if not self.rollouts.records_syncs:
+            return {}
+        return sync_fields(reports, always=True)
 
     def minibatch_rows(self, epoch: int) -> list[np.ndarray | None]:
         """The rows of each minibatch of the current step's batch in pass `epoch`: [None] (the whole batch) with
@@ -595,31 +259,38 @@ class Trainer:
         order = np.random.default_rng([cfg.seed, self.step, epoch, 7919]).permutation(rows)
         return list(order.reshape(cfg.minibatches, -1))
 
+    # --- evaluation -----------------------------------------------------------------------------------------
     def evaluate(self) -> float:
         """Mean reward of greedy completions on the held-out items, decoded under the trainer's policy (the same
         numerics for every arm whatever its engine)."""
-        if self.eval_engine is not self.engine:
-            self.eval_engine.sync_weights(self.model)
-        rollout = self.eval_engine.generate([self.task.prompt(p) for p in self.eval_items],
-                                       max_new_tokens=self.config.max_new_tokens, temperature=0.0,
-                                       eos_id=tokenizer.EOS, batch_size=self.config.engine_batch)
+        rollout = self.rollouts.evaluation_engine().generate(
+            [self.task.prompt(p) for p in self.eval_items], max_new_tokens=self.config.max_new_tokens,
+            sampling=SamplingParams(temperature=0.0), eos_id=tokenizer.EOS, batch_size=self.config.engine_batch)
         # in float64: a float32 mean's last bit depends on where each reward sits, so the same rewards in another
         # order showed a 'rise' of 3e-8
         return float(rewards_of(rollout, self.eval_items, self.task).mean(dtype=np.float64))
 
     def evaluate_sampled(self) -> float:
-        """Mean reward of completions sampled by the rollout engine (at `temperature`, seeded by (seed, step)) on
-        the held-out items: the policy as the engine's numerics deliver it."""
-        cfg = self.config
-        rollout = self.engine.generate([self.task.prompt(p) for p in self.eval_items],
-                                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                       eos_id=tokenizer.EOS, seed=cfg.seed * 1_000_003 + 500_009 + self.step,
-                                       batch_size=cfg.engine_batch)
+        """Mean reward of completions sampled by the rollout engine at the current weights (at `temperature`,
+        seeded by (seed, step)) on the held-out items: the policy as the engine's numerics deliver it. (At lag
+        >= 1 it runs on the rollout worker, after the batches queued before it.)"""
+        cfg, step, params = self.config, self.step, self.params
+
+        def sample():
+            self._eval_syncs += self.rollouts.at(step, params)
+            return self.rollouts.engine.generate(
+                [self.task.prompt(p) for p in self.eval_items], max_new_tokens=cfg.max_new_tokens,
+                sampling=SamplingParams(temperature=cfg.temperature), eos_id=tokenizer.EOS,
+                seed=cfg.seed * 1_000_003 + 500_009 + step, batch_size=cfg.engine_batch)
+        if cfg.max_lag:
+            self.rollouts.open(step, params)  # on this thread, if not open yet
+        rollout = self.rollouts.on_worker(sample)
         return float(rewards_of(rollout, self.eval_items, self.task).mean(dtype=np.float64))
 
     def _evaluations(self) -> dict:
         """The evaluation row entries: `eval_reward` (greedy, trainer's policy) and, with `eval_sampled`,
-        `eval_engine_reward`."""
+        `eval_engine_reward` (with the syncs that needed, when the engine verifies them)."""
+        self._eval_syncs = []
         out = {"eval_reward": self.evaluate()}
         if self.config.eval_sampled:
             out["eval_engine_reward"] = self.evaluate_sampled()
@@ -658,9 +329,16 @@ class Trainer:
                 with open(timing, "a") as f:
                     f.write(json.dumps({"step": row["step"], "seconds": seconds}) + "\n")
 
+        def evaluated(row: dict) -> dict:
+            row.update(self._evaluations())
+            if self._eval_syncs:  # the sampled evaluation synced the engine (lag >= 1): counted with the step's
+                for key, value in sync_fields(self._eval_syncs, always=True).items():
+                    row[key] = row.get(key, 0) + value
+            return row
+
         if self.step == 0 and not rows:
             start = time.perf_counter()
-            emit({"step": 0, **self._evaluations()}, time.perf_counter() - start)
+            emit(evaluated({"step": 0}), time.perf_counter() - start)
         last = self.config.steps if stop_after is None else min(self.config.steps, self.step + stop_after)
         bar = tqdm(total=last, initial=self.step, desc=os.path.basename(self.run_dir),
                    disable=not (progress and self.primary))
@@ -669,7 +347,7 @@ class Trainer:
                 start = time.perf_counter()
                 row = self.train_step()
                 if self.step % self.config.eval_every == 0 or self.step == self.config.steps:
-                    row.update(self._evaluations())
+                    evaluated(row)
                 emit(row, time.perf_counter() - start)
                 if self.step % self.config.checkpoint_every == 0 or self.step == last:
                     self.save()
@@ -679,4 +357,22 @@ class Trainer:
             bar.close()
             if writer is not None:
                 writer.close()
+        self._record_engine(rows)
         return rows
+
+    def _record_engine(self, rows: list[dict]) -> None:
+        """`engine.json` in the run directory, for an engine whose syncs are claims (vLLM): the engine by name,
+        version and numerics, and over the run's rows how many syncs it made and how many were verified."""
+        engine = self.rollouts.opened
+        if not (self.primary and engine is not None and self.rollouts.records_syncs):
+            return  # (an engine never opened made no sync: a finished run's record stays as it was)
+        syncs = sum(r.get("engine_syncs", 0) for r in rows)
+        verified = sum(r.get("engine_syncs_verified", 0) for r in rows)
+        record = {"engine": describe(engine), "syncs": syncs, "syncs_verified": verified,
+                  "every_sync_verified": syncs == verified}
+        with open(os.path.join(self.run_dir, "engine.json"), "w") as f:
+            json.dump(record, f, indent=2)
+
+
+__all__ = ["RLConfig", "TrainBatch", "Trainer", "behaviour_version", "clip_by_global_norm", "make_optimizer",
+           "make_update", "pad_to", "rewards_of"]
