@@ -5,8 +5,9 @@ weights are named by its layer kind (`model/kinds/`). Supported `model_type`s: q
 olmoe, glm4_moe, deepseek_v3 (multi-head latent attention), glm_moe_dsa (GLM-5: MLA with the DeepSeek sparse
 attention indexer), qwen3_5_moe_text and the text tower of qwen3_5_moe (Qwen3.5: gated DeltaNet layers beside gated
 attention), qwen3_next (the same hybrid, its DeltaNet projections fused per key head: a family's `tensors_in` /
-`tensors_out` convert layouts). Weights are read with safetensors'
-numpy API (bf16 through ml_dtypes), from one file or a sharded index, in either expert layout: per expert
+`tensors_out` convert layouts), gpt_oss (attention sinks, sliding-window layers, YaRN, biased router and
+experts). Weights are read with safetensors' numpy API (bf16 through ml_dtypes), from one file or a sharded index,
+in either expert layout: per expert
 (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's `w1/w3/w2`) or fused (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]). `save` writes config.json + model.safetensors in transformers' per-expert layout.
 gpt_oss checkpoints carry their own expert layout (interleaved gate/up, biases) and optionally MXFP4 experts

@@ -61,6 +61,7 @@ class GptOss(Family):
         return out
 
     def refuse(self, hf: dict) -> None:
+        """The common refusals, then: quantisation other than mxfp4, no head_dim, a partial rotary factor."""
         super().refuse(hf)
         quant = hf.get("quantization_config")
         if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
@@ -76,21 +77,25 @@ class GptOss(Family):
                              f"supported for gpt_oss; supported: 1.0")
 
     def layer_kinds(self, hf: dict):
+        """Each layer's kind, named per layer even when every layer is of one kind."""
         kinds = super().layer_kinds(hf)
         if kinds is None and hf.get("layer_types") is not None:  # one kind everywhere: still named per layer
             kinds = tuple(self.layer_types[t] for t in hf["layer_types"])
         return kinds
 
     def config_from_hf(self, hf: dict):
+        """A ModelConfig from config.json with transformers' defaults filled in (`with_defaults`)."""
         return super().config_from_hf(self.with_defaults(hf))
 
     def config_fields(self, hf: dict, common: dict) -> dict:
+        """The MoE's sizes and gpt-oss's router, biases and clamped SwiGLU."""
         return dict(common, n_experts=get(hf, "num_local_experts", "num_experts"), expert_dim=hf["intermediate_size"],
                     dense_mlp_dim=hf["intermediate_size"], router="topk_softmax", norm_topk_prob=False,
                     qkv_bias=bool(hf.get("attention_bias", True)), router_bias=True, expert_bias=True,
                     swiglu_alpha=float(hf["swiglu_alpha"]), swiglu_limit=float(hf["swiglu_limit"]))
 
     def check_export(self, cfg) -> None:
+        """Refuse a config gpt-oss cannot express (other kinds, dense layers, shared experts, ...)."""
         super().check_export(cfg)
         if (any(kind not in SINK_KINDS for kind in cfg.layer_kinds) or cfg.first_k_dense or cfg.shared_expert_dim
                 or cfg.attn_output_gate or cfg.norm_zero_centred or cfg.partial_rotary_factor != 1.0):
@@ -98,6 +103,7 @@ class GptOss(Family):
                              f"layers, no shared experts, no output gate, plain norms and full rotary")
 
     def export_fields(self, cfg, out: dict) -> None:
+        """num_local_experts, intermediate_size, attention_bias and the SwiGLU's alpha and limit."""
         out.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.expert_dim, attention_bias=cfg.qkv_bias,
                    swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
         out.pop("norm_topk_prob", None)
@@ -122,7 +128,8 @@ class GptOss(Family):
                 if tensors[name].shape != shape:
                     raise ValueError(f"tensor {name!r} has shape {tensors[name].shape}; expected {shape}")
             gate_up = tensors[p + "gate_up_proj"]
-            tensors[p + "gate_up_proj"] = np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], -1).transpose(0, 2, 1)
+            gate_first = np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], -1)
+            tensors[p + "gate_up_proj"] = gate_first.transpose(0, 2, 1)
             tensors[p + "down_proj"] = tensors[p + "down_proj"].transpose(0, 2, 1)
             bias = tensors[p + "gate_up_proj_bias"]
             tensors[p + "gate_up_proj_bias"] = np.concatenate([bias[:, 0::2], bias[:, 1::2]], -1)

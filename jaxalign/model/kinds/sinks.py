@@ -16,8 +16,6 @@ from jaxalign.model.kinds.gqa import GQA, attention_probe
 from jaxalign.model.rope_scaling import Yarn
 from jaxalign.numerics.dtypes import as_param
 
-DEFAULT_ROPE_THETA = 150000.0  # transformers' GptOssConfig.default_theta
-
 
 class SinkAttentionKind(GQA):
     """Full causal attention with sinks (transformers' `full_attention` layers of gpt-oss)."""
@@ -27,6 +25,7 @@ class SinkAttentionKind(GQA):
     sliding = False
 
     def validate(self, cfg) -> None:
+        """GQA's checks, and a window (>= 0; > 0 for the sliding kind)."""
         super().validate(cfg)
         window = cfg.sliding_window
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -36,10 +35,12 @@ class SinkAttentionKind(GQA):
                              f"positive int (the positions a query sees, its own included)")
 
     def build(self, cfg, layer: int, *, rngs):
+        """`SinkAttention` with this kind's window (None for full attention)."""
         from jaxalign.model.sink_attention import SinkAttention
         return SinkAttention(cfg, cfg.sliding_window if self.sliding else None, rngs=rngs)
 
     def form(self, policy) -> str:
+        """The attention form and where the sink enters (e.g. `full,sink=seed`)."""
         return f"{policy.attention},sink={policy.attn_sink}"
 
     # --- transformers config -----------------------------------------------------------------------------------
@@ -59,6 +60,7 @@ class SinkAttentionKind(GQA):
         return {"sliding_window": window if sliding else 0, "rope_yarn": yarn}
 
     def config_to_hf(self, cfg) -> dict:
+        """`sliding_window` (null without one) and, with YaRN, its `rope_parameters`."""
         out = {"sliding_window": cfg.sliding_window or None}
         if cfg.rope_yarn is not None:
             out["rope_parameters"] = {"rope_theta": cfg.rope_theta, **cfg.rope_yarn.to_hf()}
@@ -66,6 +68,7 @@ class SinkAttentionKind(GQA):
 
     # --- weights -----------------------------------------------------------------------------------------------
     def hf_params(self, cfg, take, prefix: str) -> dict:
+        """GQA's projections plus o_proj's bias (with attention_bias) and `self_attn.sinks` [H]."""
         attn = super().hf_params(cfg, take, prefix)
         p = prefix + "self_attn."
         if cfg.qkv_bias:  # attention_bias: o_proj too
@@ -74,6 +77,7 @@ class SinkAttentionKind(GQA):
         return attn
 
     def hf_tensors(self, cfg, params: dict, prefix: str) -> dict:
+        """Inverse of `hf_params`."""
         out = super().hf_tensors(cfg, params, prefix)  # o_proj's bias with the others
         out[prefix + "self_attn.sinks"] = params["sinks"]
         return out
