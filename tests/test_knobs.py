@@ -31,6 +31,7 @@ KNOBS = [
     ("combine_order", "serve-bf16", "dense"),
     ("dispatch", "fp32", "capacity:0.5"),  # drops tokens: changes the numbers on any backend
     ("attention", "fp32", "chunked:4"),
+    ("attn_sink", "fp32", "merge"),  # on gpt-oss (tiny-gpt-oss): where its attention sinks enter the softmax
     ("attn_scores_dtype", "fp32", "bf16"),
     ("attn_softmax_dtype", "fp32", "bf16"),
     ("kv_cache_dtype", "fp32", "bf16"),
@@ -62,7 +63,7 @@ KNOBS = [
     ("conv_state_dtype", "fp32", "bf16"),
 ]
 KNOB_MODELS = {"mla": "tiny-deepseek-v3", "index_scores_dtype": "tiny-glm5", "index_ties": "tiny-glm5",
-               "delta_rule": "tiny-qwen3.5",
+               "delta_rule": "tiny-qwen3.5", "attn_sink": "tiny-gpt-oss",
                "delta_state_dtype": "tiny-qwen3.5", "conv_state_dtype": "tiny-qwen3.5"}
 
 

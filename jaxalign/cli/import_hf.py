@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from jaxalign.checkpoint import save_model
 from jaxalign.interop import hf
+from jaxalign.loading import check_transformers_config
 
 
 def run(args) -> int:
-    """Load the transformers checkpoint and save it with `jaxalign.checkpoint.save_model`."""
+    """Load the transformers checkpoint and save it with `jaxalign.checkpoint.save_model` (a config.json lacking a
+    field its family needs is named, as every command names it)."""
+    check_transformers_config(args.directory)
     model = hf.load(args.directory)
     out = save_model(model, args.out, overwrite=args.overwrite)
     print(f"imported {model.config.family} ({model.config.fingerprint()}) from {args.directory} -> {out}")

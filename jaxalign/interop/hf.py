@@ -5,10 +5,13 @@ weights are named by its layer kind (`model/kinds/`). Supported `model_type`s: q
 olmoe, glm4_moe, deepseek_v3 (multi-head latent attention), glm_moe_dsa (GLM-5: MLA with the DeepSeek sparse
 attention indexer), qwen3_5_moe_text and the text tower of qwen3_5_moe (Qwen3.5: gated DeltaNet layers beside gated
 attention), qwen3_next (the same hybrid, its DeltaNet projections fused per key head: a family's `tensors_in` /
-`tensors_out` convert layouts). Weights are read with safetensors'
-numpy API (bf16 through ml_dtypes), from one file or a sharded index, in either expert layout: per expert
+`tensors_out` convert layouts), gpt_oss (attention sinks, sliding-window layers, YaRN, biased router and
+experts). Weights are read with safetensors' numpy API (bf16 through ml_dtypes), from one file or a sharded index,
+in either expert layout: per expert
 (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's `w1/w3/w2`) or fused (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]). `save` writes config.json + model.safetensors in transformers' per-expert layout.
+gpt_oss checkpoints carry their own expert layout (interleaved gate/up, biases) and optionally MXFP4 experts
+(uint8 `*_blocks` / `*_scales`, kept as bytes here and decoded by the family through `numerics.lowbit`).
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 # --- tensors ---------------------------------------------------------------------------------------------------
 def read_tensors(path: str) -> dict[str, np.ndarray]:
     """All tensors of a checkpoint directory (model.safetensors, or shards listed in model.safetensors.index.json)
-    as float32 numpy arrays."""
+    as float32 numpy arrays; uint8 tensors (MXFP4 blocks and scales) are kept as they are, for the family's
+    `tensors_in` to decode."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         content = read_json(index, "the safetensors index")
@@ -80,8 +84,12 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
         with open_safetensors(os.path.join(path, name)) as f:
             for key in f.keys():
                 arr = f.get_tensor(key)
+                if arr.dtype == np.uint8:
+                    out[key] = arr
+                    continue
                 if arr.dtype.kind not in "fV" and str(arr.dtype) != "bfloat16":
-                    raise ValueError(f"tensor {key} has dtype {arr.dtype}; allowed: float32, bfloat16, float16")
+                    raise ValueError(f"tensor {key} has dtype {arr.dtype}; allowed: float32, bfloat16, float16 "
+                                     f"(uint8: MXFP4 blocks and scales)")
                 out[key] = np.asarray(arr, np.float32)
     return out
 
@@ -105,18 +113,27 @@ class _Tensors:
         return arr
 
 
-def _experts(t: _Tensors, moe: str, cfg: ModelConfig):
+def _experts(t: _Tensors, moe: str, cfg: ModelConfig) -> dict:
+    """The routed experts' parameters (`w_gate`, `w_up`, `w_down`, and with `expert_bias` `b_gate`, `b_up`,
+    `b_down`) from the fused or the per-expert layout."""
     e, h, i = cfg.n_experts, cfg.d_model, cfg.expert_dim
     if t.has(moe + "experts.gate_up_proj"):
         gate_up = t.take(moe + "experts.gate_up_proj", (e, 2 * i, h))
         down = t.take(moe + "experts.down_proj", (e, h, i))
-        return (np.transpose(gate_up[:, :i], (0, 2, 1)), np.transpose(gate_up[:, i:], (0, 2, 1)),
-                np.transpose(down, (0, 2, 1)))
+        out = {"w_gate": np.transpose(gate_up[:, :i], (0, 2, 1)), "w_up": np.transpose(gate_up[:, i:], (0, 2, 1)),
+               "w_down": np.transpose(down, (0, 2, 1))}
+        if cfg.expert_bias:
+            gate_up_bias = t.take(moe + "experts.gate_up_proj_bias", (e, 2 * i))
+            out.update(b_gate=gate_up_bias[:, :i], b_up=gate_up_bias[:, i:],
+                       b_down=t.take(moe + "experts.down_proj_bias", (e, h)))
+        return out
     names = ("w1", "w3", "w2") if t.has(moe + "experts.0.w1.weight") else ("gate_proj", "up_proj", "down_proj")
-    gate = np.stack([t.take(f"{moe}experts.{x}.{names[0]}.weight", (i, h)).T for x in range(e)])
-    up = np.stack([t.take(f"{moe}experts.{x}.{names[1]}.weight", (i, h)).T for x in range(e)])
-    down = np.stack([t.take(f"{moe}experts.{x}.{names[2]}.weight", (h, i)).T for x in range(e)])
-    return gate, up, down
+    out = {}
+    for key, name, shape in zip(("gate", "up", "down"), names, ((i, h), (i, h), (h, i))):
+        out["w_" + key] = np.stack([t.take(f"{moe}experts.{x}.{name}.weight", shape).T for x in range(e)])
+        if cfg.expert_bias:
+            out["b_" + key] = np.stack([t.take(f"{moe}experts.{x}.{name}.bias", shape[:1]) for x in range(e)])
+    return out
 
 
 def _mlp(t: _Tensors, prefix: str, d: int, hidden: int) -> dict:
@@ -129,6 +146,10 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     """Map transformers tensor names to jaxalign's parameter tree; every tensor must be used."""
     d, family = cfg.d_model, _family_of(cfg)
     tensors = family.tensors_in(tensors, cfg)
+    raw = sorted(name for name, arr in tensors.items() if arr.dtype.kind != "f")
+    if raw:
+        raise ValueError(f"checkpoint tensors {raw[:4]} are {tensors[raw[0]].dtype}, which the {cfg.family} mapping "
+                         f"does not decode (MXFP4 blocks and scales are read by the gpt_oss family only)")
     t = _Tensors(tensors)
     top = family.tensor_prefix
     blocks = {}
@@ -138,10 +159,11 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
         block = {"attn": attn, "attn_norm": {"scale": t.take(p + "input_layernorm.weight", (d,))},
                  "mlp_norm": {"scale": t.take(p + "post_attention_layernorm.weight", (d,))}}
         if i in cfg.moe_layers:
-            moe = p + ("block_sparse_moe." if t.has(p + "block_sparse_moe.gate.weight") else "mlp.")
-            gate, up, down = _experts(t, moe, cfg)
-            mlp = {"router": t.take(moe + "gate.weight", (cfg.n_experts, d)).T, "w_gate": gate, "w_up": up,
-                   "w_down": down}
+            router = family.router_name
+            moe = p + ("block_sparse_moe." if t.has(f"{p}block_sparse_moe.{router}.weight") else "mlp.")
+            mlp = {"router": t.take(f"{moe}{router}.weight", (cfg.n_experts, d)).T, **_experts(t, moe, cfg)}
+            if cfg.router_bias:
+                mlp["router_bias"] = t.take(f"{moe}{router}.bias", (cfg.n_experts,))
             if cfg.router == "sigmoid_grouped":
                 mlp["selection_bias"] = t.take(moe + "gate.e_score_correction_bias", (cfg.n_experts,))
             if cfg.shared_expert_dim:
@@ -207,12 +229,16 @@ def tensors_to_hf(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
                 out[f"{pre}mlp.{name}_proj.weight"] = m[name]["w"].T
             continue
         moe, names = pre + family.moe_prefix, family.expert_names
-        out[moe + "gate.weight"] = m["router"].T
+        out[f"{moe}{family.router_name}.weight"] = m["router"].T
+        if cfg.router_bias:
+            out[f"{moe}{family.router_name}.bias"] = m["router_bias"]
         if cfg.router == "sigmoid_grouped":
             out[moe + "gate.e_score_correction_bias"] = m["selection_bias"]
         for e in range(cfg.n_experts):
-            for name, key in zip(names, ("w_gate", "w_up", "w_down")):
-                out[f"{moe}experts.{e}.{name}.weight"] = m[key][e].T
+            for name, key in zip(names, ("gate", "up", "down")):
+                out[f"{moe}experts.{e}.{name}.weight"] = m["w_" + key][e].T
+                if cfg.expert_bias:
+                    out[f"{moe}experts.{e}.{name}.bias"] = m["b_" + key][e]
         if cfg.shared_expert_dim:
             shared = "shared_expert." if cfg.shared_expert_gate else "shared_experts."
             for name in ("gate", "up", "down"):

@@ -51,6 +51,15 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def rotate(self, x: jax.Array, positions: jax.Array, policy: NumericPolicy) -> jax.Array:
+        """RoPE on queries or keys [B, S, H, Dh] (a subclass may scale it)."""
+        return rope(x, positions, self.cfg.rope_theta, policy, self.cfg.rotary_dim)
+
+    def attend(self, q, keys, values, q_pos, k_pos, policy: NumericPolicy) -> jax.Array:
+        """The attention kernel over the keys and values in the cache layout (a subclass may add a window or
+        sinks): [B, S, H, Dh]."""
+        return attention(q, keys, values, q_pos, k_pos, policy)
+
     def __call__(self, x: jax.Array, positions: jax.Array, policy: NumericPolicy,
                  kv: tuple[jax.Array, jax.Array] | None = None, *, valid=None, index_replay=None):
         """x [B, S, D], positions [B, S] (the mixer call of `model/kinds/base.py`). With `kv` = (k_cache
@@ -75,8 +84,8 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
         if cfg.qk_norm == "head":
             q, k = self.q_norm(q, policy), self.k_norm(k, policy)
-        q = rope(q, positions, cfg.rope_theta, policy, cfg.rotary_dim)
-        k, v = kv_cache_entries(rope(k, positions, cfg.rope_theta, policy, cfg.rotary_dim), v, policy)
+        q = self.rotate(q, positions, policy)
+        k, v = kv_cache_entries(self.rotate(k, positions, policy), v, policy)
         if kv is None:
             keys, values = jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3))
             k_pos, new_kv = positions, None
@@ -87,7 +96,7 @@ class Attention(nnx.Module):
             values = constrain(kv[1].at[rows, :, positions].set(v, mode="drop"), V_CACHE_AXES)
             k_pos = jnp.broadcast_to(jnp.arange(values.shape[2]), (b, values.shape[2]))
             new_kv = (keys, values)
-        out = attention(q, keys, values, positions, k_pos, policy).reshape(b, s, -1)
+        out = self.attend(q, keys, values, positions, k_pos, policy).reshape(b, s, -1)
         if gate is not None:  # transformers: attn_output * torch.sigmoid(gate), in the model dtype
             out = out * sigmoid(gate, policy).astype(out.dtype)
         return self.o_proj(out, policy), new_kv, None

@@ -8,7 +8,9 @@ import hashlib
 import json
 from typing import Any
 
-ROUTERS = ("softmax_topk", "sigmoid_grouped")
+from jaxalign.model.rope_scaling import Yarn
+
+ROUTERS = ("softmax_topk", "sigmoid_grouped", "topk_softmax")
 QK_NORMS = ("none", "head", "proj")
 ATTENTION_KINDS = ("gqa", "mla")
 
@@ -20,7 +22,12 @@ class ModelConfig:
     Routers: `softmax_topk` (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): softmax over expert logits, top-k, optional
     renormalisation (`norm_topk_prob`). `sigmoid_grouped` (DeepSeek-V3, GLM-4.5): sigmoid scores, a selection-only
     bias, group-limited top-k (`n_groups`, `topk_groups`, group score = sum of its top-2), weights from the
-    bias-free scores, optional renormalisation, times `routed_scaling_factor`.
+    bias-free scores, optional renormalisation, times `routed_scaling_factor`. `topk_softmax` (gpt-oss): top-k
+    on the logits, then a softmax over the k chosen (`norm_topk_prob` does not apply).
+
+    gpt-oss's MoE extras: `router_bias` (a bias on the router's logits), `expert_bias` (biases on the experts'
+    gate, up and down projections) and its clamped SwiGLU (`swiglu_alpha` and `swiglu_limit`, both set or both
+    None): gate clamped above at limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
 
     Attention kinds: `gqa` (grouped-query attention over per-head K/V) and `mla` (DeepSeek-V3 multi-head latent
     attention: keys and values are up-projected from a `kv_lora_rank` latent plus one shared `qk_rope_head_dim`
@@ -86,6 +93,14 @@ class ModelConfig:
     linear_k_head_dim: int = 0
     linear_v_head_dim: int = 0
     linear_conv_kernel: int = 0
+    # the sink-attention kinds (gpt-oss, `model/kinds/sinks.py`): the sliding layers' window and YaRN RoPE
+    sliding_window: int = 0
+    rope_yarn: Yarn | None = None
+    # gpt-oss's MoE (see above)
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dense_mlp_dim",
@@ -133,7 +148,21 @@ class ModelConfig:
         if self.rope_theta <= 0 or self.rms_eps <= 0:
             raise ValueError(f"ModelConfig.rope_theta = {self.rope_theta}, rms_eps = {self.rms_eps}; "
                              f"allowed: positive floats")
+        self._check_gpt_oss_moe()
         self._check_layer_kinds()
+
+    def _check_gpt_oss_moe(self) -> None:
+        object.__setattr__(self, "rope_yarn", Yarn.coerce(self.rope_yarn))  # a dict from JSON
+        for name in ("router_bias", "expert_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} = {getattr(self, name)!r}; allowed: True, False")
+        alpha, limit = self.swiglu_alpha, self.swiglu_limit
+        if (alpha is None) != (limit is None):
+            raise ValueError(f"ModelConfig.swiglu_alpha = {alpha!r}, swiglu_limit = {limit!r}; allowed: both None "
+                             f"(SwiGLU) or both positive numbers (gpt-oss's clamped SwiGLU)")
+        for name, value in (("swiglu_alpha", alpha), ("swiglu_limit", limit)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"ModelConfig.{name} = {value!r}; allowed: None or a positive number")
 
     def _check_layer_kinds(self) -> None:
         from jaxalign.model import kinds
@@ -219,13 +248,14 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
         """A named preset: tiny, small, bench, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, tiny-olmoe,
-        tiny-glm4-moe, tiny-deepseek-v3, tiny-glm5, tiny-qwen3.5."""
+        tiny-glm4-moe, tiny-deepseek-v3, tiny-glm5, tiny-qwen3.5, tiny-gpt-oss."""
         if name not in _PRESETS:
             raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(_PRESETS)}")
         return _PRESETS[name]
 
 
-_OMITTED_AT_DEFAULT = {"attn_output_gate": False, "norm_zero_centred": False}
+_OMITTED_AT_DEFAULT = {"attn_output_gate": False, "norm_zero_centred": False, "router_bias": False,
+                       "expert_bias": False, "swiglu_alpha": None, "swiglu_limit": None}
 
 
 def preset_names() -> tuple[str, ...]:
@@ -289,4 +319,13 @@ _PRESETS: dict[str, ModelConfig] = {
                                 partial_rotary_factor=0.25, attn_output_gate=True, norm_zero_centred=True,
                                 layer_types=("gated_deltanet", "gated_deltanet", "gqa"), linear_n_k_heads=2,
                                 linear_n_v_heads=4, linear_k_head_dim=16, linear_v_head_dim=8, linear_conv_kernel=4),
+    # gpt-oss (transformers gpt_oss): a sliding-window layer (8 positions) then a full one, both with per-head
+    # attention sinks and biased q/k/v/o projections; YaRN RoPE as the released config has it (factor 32 over 4096
+    # positions, theta 150000); top-4 of 8 experts by biased router logits with a softmax over the chosen, expert
+    # biases and the clamped SwiGLU (alpha 1.702, limit 7)
+    "tiny-gpt-oss": ModelConfig(**{**_TINY, "dense_mlp_dim": 16}, family="gpt_oss", qkv_bias=True,
+                                router="topk_softmax", norm_topk_prob=False, rope_theta=150000.0, rms_eps=1e-5,
+                                layer_types=("sliding_sink_attention", "sink_attention"), sliding_window=8,
+                                rope_yarn=Yarn(factor=32.0, original_max_position=4096, truncate=False),
+                                router_bias=True, expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0),
 }

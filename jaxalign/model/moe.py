@@ -1,4 +1,5 @@
-"""Routed MoE block: router (softmax top-k or sigmoid group-limited), replay, dispatch, combine, shared experts."""
+"""Routed MoE block: router (softmax top-k, top-k softmax or sigmoid group-limited), replay, dispatch, combine,
+shared experts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from flax import nnx
 from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Linear, param
 from jaxalign.numerics import NumericPolicy, as_param, cast
-from jaxalign.numerics.experts import combine, dispatch, normalize_gate_weights, router_sigmoid, sigmoid
+from jaxalign.numerics.experts import (ClampedSwiGLU, combine, dispatch, normalize_gate_weights, router_sigmoid,
+                                       sigmoid)
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.reduce import softmax
 from jaxalign.numerics.select import top_k
@@ -27,8 +29,10 @@ def _group_limited(select: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelConfig, policy: NumericPolicy,
-          replay: jax.Array | None = None, replay_weights: jax.Array | None = None):
-    """Choose experts for x [N, D].
+          replay: jax.Array | None = None, replay_weights: jax.Array | None = None,
+          logit_bias: jax.Array | None = None):
+    """Choose experts for x [N, D]. `bias`: the sigmoid router's selection-only bias; `logit_bias` (gpt-oss's
+    `router_bias`): added to the logits, in the router dtype.
 
     Returns (idx [N, k] int32 in top-k slot order, weights [N, k] float, margin [N] float). With `replay`
     [N, k] (R3), a token whose row has no -1 uses the replayed indices; its gate weights are gathered from this
@@ -39,7 +43,12 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
     # router parameters are stored in the router dtype (GLM-4.5 / DeepSeek-V3 keep them in f32 in a bf16 model)
     logits = matmul(x, cast(router_w, policy.router_logits_dtype), policy, operand_dtype=policy.router_logits_dtype,
                     out_dtype=policy.router_logits_dtype)
-    if cfg.router == "softmax_topk":
+    if logit_bias is not None:
+        logits = logits + cast(logit_bias, policy.router_logits_dtype)
+    if cfg.router == "topk_softmax":  # gpt-oss: top-k of the logits, the softmax over the k chosen (below)
+        scores = cast(logits, policy.router_softmax_dtype)
+        select = scores
+    elif cfg.router == "softmax_topk":
         scores = softmax(logits, policy, policy.router_softmax_dtype)
         select = scores
     else:
@@ -58,9 +67,12 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
         idx = jnp.where(use_replay, jnp.clip(replay, 0, cfg.n_experts - 1), idx)
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     sigmoid_router = cfg.router == "sigmoid_grouped"
-    weights = normalize_gate_weights(weights, policy, renormalize=cfg.norm_topk_prob,
-                                     epsilon=1e-20 if sigmoid_router else None,
-                                     scale=cfg.routed_scaling_factor if sigmoid_router else None)
+    if cfg.router == "topk_softmax":
+        weights = softmax(weights, policy, policy.router_softmax_dtype)
+    else:
+        weights = normalize_gate_weights(weights, policy, renormalize=cfg.norm_topk_prob,
+                                         epsilon=1e-20 if sigmoid_router else None,
+                                         scale=cfg.routed_scaling_factor if sigmoid_router else None)
     if replay is not None and replay_weights is not None:
         recorded = jax.lax.stop_gradient(replay_weights.astype(weights.dtype))
         weights = jnp.where(use_replay, recorded, weights)
@@ -68,7 +80,8 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
 
 
 class MoE(nnx.Module):
-    """Routed experts (SwiGLU, stacked [E, ...]) plus optional shared experts."""
+    """Routed experts (SwiGLU, stacked [E, ...]) plus optional shared experts; gpt-oss's router bias, expert
+    biases and clamped SwiGLU when the config has them."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -79,6 +92,15 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), fan_in=d)
         self.w_up = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), fan_in=d)
         self.w_down = param(rngs, (e, f, d), ("expert", "expert_mlp", "embed"), fan_in=f)
+        # gpt-oss: initialised small and non-zero (transformers initialises the router's bias from a normal too)
+        self.router_bias = (param(rngs, (e,), ("expert_scores",), std=0.1) if cfg.router_bias else None)
+        if cfg.expert_bias:
+            self.b_gate = param(rngs, (e, f), ("expert", "expert_mlp"), std=0.1)
+            self.b_up = param(rngs, (e, f), ("expert", "expert_mlp"), std=0.1)
+            self.b_down = param(rngs, (e, d), ("expert", "embed"), std=0.1)
+        else:
+            self.b_gate = self.b_up = self.b_down = None
+        self.act = None if cfg.swiglu_alpha is None else ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
         self.shared = DenseMLP(d, cfg.shared_expert_dim, rngs=rngs) if cfg.shared_expert_dim > 0 else None
         self.shared_gate = Linear(d, 1, ("embed", "unsharded"), rngs=rngs) if cfg.shared_expert_gate else None
 
@@ -91,10 +113,15 @@ class MoE(nnx.Module):
         bias = self.selection_bias[...] if self.selection_bias is not None else None
         idx, weights, margin = route(flat, self.router[...], bias, self.cfg, policy,
                                      None if replay is None else replay.reshape(b * s, -1),
-                                     None if replay_weights is None else replay_weights.reshape(b * s, -1))
+                                     None if replay_weights is None else replay_weights.reshape(b * s, -1),
+                                     None if self.router_bias is None else self.router_bias[...])
         # FP8 products take the float32 masters (quantised inside, as the engine quantised them at its sync)
         weight = (lambda v: v[...]) if policy.quantizes_products else (lambda v: as_param(v[...], policy))  # noqa: E731
-        y, kept = dispatch(flat, idx, weight(self.w_gate), weight(self.w_up), weight(self.w_down), policy)
+        biases = None
+        if self.b_gate is not None:
+            biases = tuple(as_param(v[...], policy) for v in (self.b_gate, self.b_up, self.b_down))
+        y, kept = dispatch(flat, idx, weight(self.w_gate), weight(self.w_up), weight(self.w_down), policy,
+                           biases=biases, act=self.act)
         out = combine(y, idx, jnp.where(kept, weights, jnp.zeros_like(weights)), self.cfg.n_experts, policy)
         if self.shared is not None:
             shared = self.shared(flat, policy)

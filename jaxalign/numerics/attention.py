@@ -18,11 +18,12 @@ from jaxalign.numerics.dtypes import as_compute, cast, dtype
 from jaxalign.numerics.kernels import select_attention
 from jaxalign.numerics.pallas_attention import pallas_chunked_attention
 from jaxalign.numerics.platforms import platform
-from jaxalign.numerics.reduce import divide_by, pad_to_tree_width, reduce_sum, tree_sum, uncontracted
+from jaxalign.numerics.reduce import divide_by, expand, pad_to_tree_width, reduce_sum, tree_sum, uncontracted
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy,
-         rotary_dim: int | None = None, interleaved: bool = False) -> jax.Array:
+         rotary_dim: int | None = None, interleaved: bool = False, *, inv_freq=None,
+         attention_factor: float = 1.0) -> jax.Array:
     """Rotate-half RoPE on the first `rotary_dim` dims (default all) of x [B, S, H, D] at positions [B, S];
     rotation in `rope_dtype`, the other dims pass through.
 
@@ -30,17 +31,27 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, policy: NumericPolicy
     `interleaved` (DeepSeek): pairs (x0, x1), (x2, x3), ... share a frequency; the dims are de-interleaved (evens,
     then odds: an exact permutation) and rotated half-wise, so the result comes out in transformers'
     `apply_rotary_pos_emb_interleave` layout.
+    A scaled RoPE (YaRN, `model/rope_scaling.py`) passes its own `inv_freq` [D/2] (float32, replacing
+    theta's) and `attention_factor`, which multiplies cos and sin in float32 before their cast (as transformers'
+    rotary embedding does).
     """
     d = rotary_dim or x.shape[-1]
     if d < x.shape[-1]:
         passed = as_compute(x[..., d:], policy)
-        return jnp.concatenate([rope(x[..., :d], positions, theta, policy, interleaved=interleaved), passed], axis=-1)
+        return jnp.concatenate([rope(x[..., :d], positions, theta, policy, interleaved=interleaved,
+                                     inv_freq=inv_freq, attention_factor=attention_factor), passed], axis=-1)
     if interleaved:
         x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    else:
+        inv_freq = jnp.asarray(inv_freq, jnp.float32)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = cast(jnp.cos(emb), policy.rope_dtype), cast(jnp.sin(emb), policy.rope_dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if attention_factor != 1.0:
+        cos, sin = cos * jnp.float32(attention_factor), sin * jnp.float32(attention_factor)
+    cos, sin = cast(cos, policy.rope_dtype), cast(sin, policy.rope_dtype)
     xr = cast(x, policy.rope_dtype)
     rotated = jnp.concatenate([-xr[..., d // 2:], xr[..., : d // 2]], axis=-1)
     return as_compute(xr * cos + rotated * sin, policy)
@@ -121,13 +132,17 @@ def _tree_pv(policy: NumericPolicy, p: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-              policy: NumericPolicy, scale: float | None = None, allowed: jax.Array | None = None) -> jax.Array:
+              policy: NumericPolicy, scale: float | None = None, allowed: jax.Array | None = None, *,
+              window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention.
 
     q [B, Q, H, D] (compute dtype), k [B, KVH, D, K] and v [B, KVH, K, Dv] (kv-cache dtype, laid out as the
     engine's cache), q_pos [B, Q], k_pos [B, K] positions. `scale` multiplies the scores (default D ** -0.5;
     absorbed MLA passes the expanded q.k head dim's). `allowed` [B, Q, K] (sparse attention): only these keys
-    are visible, besides the causal mask.
+    are visible, besides the causal mask. `window` (sliding-window attention): a query sees only the keys of its
+    last `window` positions, its own included (k_pos > q_pos - window, as transformers' sliding mask).
+    `sinks` [H] (attention sinks, gpt-oss): one learned logit per head that joins the softmax's max and sum and
+    brings no value; where it enters is the policy's `attn_sink` (see `_full` and `_chunked`).
     Returns [B, Q, H, Dv] in the compute dtype.
     """
     b, nq, h, d = q.shape
@@ -137,18 +152,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     k, v = local_reduce(k, policy, (2, 3)), local_reduce(v, policy, (2,))
     qg = q.reshape(b, nq, kvh, h // kvh, d)
     visible = k_pos[:, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        visible = visible & (k_pos[:, None, :] > q_pos[:, :, None] - window)
     if allowed is not None:
         visible = visible & allowed
     visible = visible[:, None, None]  # [B, 1, 1, Q, K]
     chunk = policy.attention_chunk
     scale = d ** -0.5 if scale is None else scale
-    standard = allowed is None and scale == d ** -0.5 and v.shape[-1] == d
+    standard = allowed is None and scale == d ** -0.5 and v.shape[-1] == d and window is None and sinks is None
+    sink = None
+    if sinks is not None:  # each row's sink logit [B, KVH, G, Q] in the softmax dtype; under reduce=tree its
+        # gradient sums the rows with the tree (`expand`), not an XLA reduce ordered by the backward's fusion
+        sink = cast(sinks, policy.attn_softmax_dtype).reshape(1, kvh, h // kvh, 1)
+        sink = expand(expand(sink, 0, b, policy), 3, nq, policy)
     impl = select_attention(policy, h // kvh, d, standard, platform())
     if impl.kind == "pallas":
         out = pallas_chunked_attention(qg, k, v, q_pos, k_pos, policy, impl.blocks[0], impl.platform)
     else:
-        out = (_full(qg, k, v, visible, policy, scale) if chunk is None
-               else _chunked(qg, k, v, visible, policy, chunk, scale))
+        out = (_full(qg, k, v, visible, policy, scale, sink) if chunk is None
+               else _chunked(qg, k, v, visible, policy, chunk, scale, sink))
     return as_compute(out.reshape(b, nq, h, v.shape[-1]), policy)
 
 
@@ -162,20 +184,53 @@ def _masked_scores(qg, k, visible, policy, scale):
     return jnp.where(visible, s, jnp.asarray(-jnp.inf, s.dtype))
 
 
-def _full(qg, k, v, visible, policy, scale):
-    """Softmax over all keys, normalised before the value product (as transformers' eager attention)."""
+def _full(qg, k, v, visible, policy, scale, sink=None):
+    """Softmax over all keys, normalised before the value product (as transformers' eager attention).
+
+    With sinks [B, KVH, G, Q] (`attn_sink`): `seed` takes the max over the keys and the sink and adds the sink's
+    term exp(sink - m) to the keys' sum (transformers' eager attention concatenates the sink as one more column:
+    the same terms); `merge` normalises over the keys alone and scales the output by `_sink_share`."""
     s = _masked_scores(qg, k, visible, policy, scale)
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    if sink is not None:
+        sink = sink[..., None]  # [B, KVH, G, Q, 1]
+        if policy.attn_sink == "seed":
+            m = lax.stop_gradient(jnp.maximum(m, sink))
     e = precision.exp(s - m, policy)
     # the denominator's broadcast back over the keys goes through `expand` (in `divide_by`): its gradient is then a
     # tree sum, where an implicit broadcast's gradient was an XLA reduce ordered by how the backward was fused (a
     # mesh's data-parallel program gave other q/k gradients than one device's; benchmarks/mesh_gradients.py)
-    p = divide_by(e, reduce_sum(e, policy, axis=-1, keepdims=True), -1, policy)
-    return _weighted_values(as_compute(p, policy), v, policy)
+    total = reduce_sum(e, policy, axis=-1, keepdims=True)
+    if sink is not None and policy.attn_sink == "seed":
+        total = precision.exp(sink - m, policy) + total
+    p = divide_by(e, total, -1, policy)
+    out = _weighted_values(as_compute(p, policy), v, policy)
+    if sink is not None and policy.attn_sink == "merge":
+        out = out * _to_output_layout(_sink_share(m[..., 0], total[..., 0], sink[..., 0], policy))
+    return out
 
 
-def _chunked(qg, k, v, visible, policy, chunk, scale):
-    """Online softmax over fixed chunks of `chunk` keys starting at slot 0 (flash / split-KV style)."""
+def _sink_share(m, total, sink, policy):
+    """The keys' share of a softmax whose keys gave running max `m` and sum `total` [B, KVH, G, Q] once the sink
+    joins it (`attn_sink=merge`): a / (a + b) with M = max(m, sink), a = total * exp(m - M), b = exp(sink - M),
+    in the softmax dtype (0 when no key was visible)."""
+    top = jnp.maximum(m, sink)
+    a = uncontracted(total * precision.exp(jnp.where(jnp.isneginf(m), top, m) - top, policy), policy)
+    a = jnp.where(jnp.isneginf(m), jnp.zeros_like(a), a)
+    return a / (a + precision.exp(sink - top, policy))
+
+
+def _to_output_layout(w):
+    """[B, KVH, G, Q] per-row factors as [B, Q, KVH, G, 1] float32, to scale a value product's output."""
+    return jnp.transpose(w, (0, 3, 1, 2))[..., None].astype(jnp.float32)
+
+
+def _chunked(qg, k, v, visible, policy, chunk, scale, sink=None):
+    """Online softmax over fixed chunks of `chunk` keys starting at slot 0 (flash / split-KV style).
+
+    With sinks [B, KVH, G, Q] (`attn_sink`): `seed` starts the running max at the sink and the running sum at
+    exp(sink - sink) = 1, as flash kernels with sinks do; `merge` runs the keys alone and scales the output by
+    `_sink_share` at the end."""
     sdt = dtype(policy.attn_softmax_dtype)
     b, kvh, d, nk = k.shape
     dv = v.shape[-1]
@@ -208,5 +263,12 @@ def _chunked(qg, k, v, visible, policy, chunk, scale):
 
     init = (jnp.full(bq, -jnp.inf, sdt), jnp.zeros(bq, sdt),
             jnp.zeros(qg.shape[:-1] + (dv,), jnp.float32))
+    if sink is not None and policy.attn_sink == "seed":
+        start = sink.astype(sdt)
+        # exp(sink - sink) = 1, written so the sink's gradient flows (the running max is a constant, as below)
+        init = (lax.stop_gradient(start), precision.exp(start - lax.stop_gradient(start), policy), init[2])
     (m, l, acc), _ = lax.scan(step, init, (ks, vs, vis))
-    return divide_by(acc, jnp.transpose(l, (0, 3, 1, 2))[..., None].astype(jnp.float32), -1, policy)
+    out = divide_by(acc, _to_output_layout(l), -1, policy)
+    if sink is not None and policy.attn_sink == "merge":
+        out = out * _to_output_layout(_sink_share(m, l, sink.astype(sdt), policy))
+    return out

@@ -50,4 +50,4 @@ def as_compute(x: jax.Array, policy: NumericPolicy) -> jax.Array:
     return cast(x, policy.compute_dtype)
 
 
-ROUTER_PARAMS = ("router", "selection_bias")
+ROUTER_PARAMS = ("router", "selection_bias", "router_bias")

@@ -7,6 +7,7 @@ expert outputs of a token are summed -- the seed's Qwen finding lives here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -16,7 +17,7 @@ from jax import lax
 from jaxalign.numerics import fp8, precision
 from jaxalign.numerics.matmul import expert_matmul, gathered_matmul, grouped_matmul
 from jaxalign.numerics.policy import NumericPolicy
-from jaxalign.numerics.dtypes import cast, dtype
+from jaxalign.numerics.dtypes import as_compute, cast, dtype, dtype_name
 from jaxalign.numerics.reduce import divide_by, reduce_sum, tree_broadcast
 
 
@@ -56,47 +57,84 @@ def swiglu(gate: jax.Array, up: jax.Array, policy: NumericPolicy) -> jax.Array:
     return (g * precision.logistic(g, policy)).astype(gate.dtype) * up
 
 
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (transformers' `GptOssExperts._apply_gate`): gate clamped above at `limit`, up
+    to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, act: ClampedSwiGLU, policy: NumericPolicy) -> jax.Array:
+    """`ClampedSwiGLU` op by op as torch runs it in gate's dtype: each of gate * alpha, its sigmoid (in float32,
+    at the policy's `transcendental_accuracy`), gate * sigmoid, up + 1 and the final product computed in float32
+    and rounded to that dtype (a no-op in float32)."""
+    name = dtype_name(gate.dtype)
+    limit = jnp.asarray(act.limit, gate.dtype)
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    g = gate.astype(jnp.float32)
+    scaled = cast(g * jnp.float32(act.alpha), name).astype(jnp.float32)
+    glu = cast(g * cast(precision.logistic(scaled, policy), name).astype(jnp.float32), name)
+    return cast(cast(up.astype(jnp.float32) + 1.0, name).astype(jnp.float32) * glu.astype(jnp.float32), name)
+
+
+def gated(gate: jax.Array, up: jax.Array, policy: NumericPolicy, act: ClampedSwiGLU | None = None) -> jax.Array:
+    """The experts' gated activation: SwiGLU, or gpt-oss's clamped form when `act` is given."""
+    return swiglu(gate, up, policy) if act is None else clamped_swiglu(gate, up, act, policy)
+
+
+def _biased(y: jax.Array, bias: jax.Array | None, policy: NumericPolicy) -> jax.Array:
+    """y + bias (a row's expert bias, already in the param dtype) in the compute dtype; y when no bias."""
+    return y if bias is None else y + as_compute(bias, policy)
+
+
 def _expert_product(policy: NumericPolicy):
     """The per-expert product: block-scaled FP8 (`fp8.expert_linear`) when the policy quantises, else plain."""
     return fp8.expert_linear if policy.quantizes_products else expert_matmul
 
 
 def expert_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-               policy: NumericPolicy) -> jax.Array:
-    """SwiGLU experts on per-expert row blocks: x [E, R, H] -> [E, R, H] (compute dtype)."""
+               policy: NumericPolicy, biases: tuple | None = None, act: ClampedSwiGLU | None = None) -> jax.Array:
+    """SwiGLU experts on per-expert row blocks: x [E, R, H] -> [E, R, H] (compute dtype). `biases` (gpt-oss):
+    (gate [E, F], up [E, F], down [E, H]), each added to its product; `act`: the gated activation (`gated`)."""
     product = _expert_product(policy)
-    hidden = swiglu(product(x, w_gate, policy), product(x, w_up, policy), policy)
-    return product(hidden, w_down, policy)
+    b_gate, b_up, b_down = (None, None, None) if biases is None else (b[:, None] for b in biases)
+    hidden = gated(_biased(product(x, w_gate, policy), b_gate, policy),
+                   _biased(product(x, w_up, policy), b_up, policy), policy, act)
+    return _biased(product(hidden, w_down, policy), b_down, policy)
 
 
 def dispatch(x: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-             policy: NumericPolicy) -> tuple[jax.Array, jax.Array]:
+             policy: NumericPolicy, *, biases: tuple | None = None,
+             act: ClampedSwiGLU | None = None) -> tuple[jax.Array, jax.Array]:
     """Run the selected experts for every token.
 
-    x [N, H], idx [N, k] expert ids. Returns (y [N, k, H] expert outputs in slot order, kept [N, k] bool);
-    dropped assignments (capacity dispatch) have y = 0 and kept = False.
+    x [N, H], idx [N, k] expert ids. `biases` and `act` as `expert_ffn` takes them. Returns (y [N, k, H] expert
+    outputs in slot order, kept [N, k] bool); dropped assignments (capacity dispatch) have y = 0 and kept = False.
     """
     n, k = idx.shape
     num_experts = w_gate.shape[0]
     if policy.dispatch == "dense":
         # the input's gradient sums the experts with the tree whatever `reduce` says: autodiff's reduce over the
         # expert axis was fused by XLA:CPU with the products before it into one YNNPACK kernel (40% of a step)
-        y_all = expert_ffn(tree_broadcast(x[None], 0, num_experts), w_gate, w_up, w_down, policy)
+        y_all = expert_ffn(tree_broadcast(x[None], 0, num_experts), w_gate, w_up, w_down, policy, biases, act)
         y = jnp.take_along_axis(jnp.moveaxis(y_all, 0, 1), idx[..., None], axis=1)
         return y, jnp.ones(idx.shape, bool)
     if policy.dispatch == "gather":
         rows = jnp.broadcast_to(x[:, None], (n, k, x.shape[-1]))
-        hidden = swiglu(gathered_matmul(rows, w_gate[idx], policy), gathered_matmul(rows, w_up[idx], policy),
-                        policy)
-        return gathered_matmul(hidden, w_down[idx], policy), jnp.ones(idx.shape, bool)
+        b_gate, b_up, b_down = (None, None, None) if biases is None else (b[idx] for b in biases)
+        hidden = gated(_biased(gathered_matmul(rows, w_gate[idx], policy), b_gate, policy),
+                       _biased(gathered_matmul(rows, w_up[idx], policy), b_up, policy), policy, act)
+        return _biased(gathered_matmul(hidden, w_down[idx], policy), b_down, policy), jnp.ones(idx.shape, bool)
     if policy.dispatch == "sorted":
-        return _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy), jnp.ones(idx.shape, bool)
+        return _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy, biases, act), jnp.ones(idx.shape, bool)
     if policy.dispatch == "bucketed":
-        return _dispatch_bucketed(x, idx, w_gate, w_up, w_down, policy), jnp.ones(idx.shape, bool)
-    return _dispatch_capacity(x, idx, w_gate, w_up, w_down, policy)
+        return _dispatch_bucketed(x, idx, w_gate, w_up, w_down, policy, biases, act), jnp.ones(idx.shape, bool)
+    return _dispatch_capacity(x, idx, w_gate, w_up, w_down, policy, biases, act)
 
 
-def _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy):
+def _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy, biases=None, act=None):
     n, k = idx.shape
     num_experts = w_gate.shape[0]
     flat = idx.reshape(-1)
@@ -104,8 +142,10 @@ def _dispatch_sorted(x, idx, w_gate, w_up, w_down, policy):
     rows = x[order // k]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     product = fp8.grouped_linear if policy.quantizes_products else grouped_matmul
-    hidden = swiglu(product(rows, w_gate, sizes, policy), product(rows, w_up, sizes, policy), policy)
-    y_sorted = product(hidden, w_down, sizes, policy)
+    b_gate, b_up, b_down = (None, None, None) if biases is None else (b[flat[order]] for b in biases)
+    hidden = gated(_biased(product(rows, w_gate, sizes, policy), b_gate, policy),
+                   _biased(product(rows, w_up, sizes, policy), b_up, policy), policy, act)
+    y_sorted = _biased(product(hidden, w_down, sizes, policy), b_down, policy)
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
 
 
@@ -140,7 +180,7 @@ def _to_buffers(x, k, flat, slot, num_experts, capacity):
     return jnp.zeros((num_experts, capacity, x.shape[-1]), x.dtype).at[flat, slot].set(rows, mode="drop")
 
 
-def _dispatch_bucketed(x, idx, w_gate, w_up, w_down, policy):
+def _dispatch_bucketed(x, idx, w_gate, w_up, w_down, policy, biases=None, act=None):
     """Each expert's rows in a [C, H] buffer, C the smallest bucket size that holds the busiest expert: one
     compiled branch per size (`lax.switch`), so only ~C/N of the dense dispatch's rows are multiplied and no
     assignment is ever dropped (the last size is N).
@@ -153,18 +193,19 @@ def _dispatch_bucketed(x, idx, w_gate, w_up, w_down, policy):
     flat = idx.reshape(-1)
     slot, counts = _buffer_slots(flat, num_experts)
     sizes = bucket_sizes(n, k, num_experts)
+    weights = (w_gate, w_up, w_down) + (() if biases is None else tuple(biases))
 
     def branch(capacity):
-        def run(x, w_gate, w_up, w_down, flat, slot):
+        def run(x, weights, flat, slot):
             buffer = _to_buffers(x, k, flat, slot, num_experts, capacity)
-            return expert_ffn(buffer, w_gate, w_up, w_down, policy)[flat, slot]
+            return expert_ffn(buffer, *weights[:3], policy, weights[3:] or None, act)[flat, slot]
         return run
 
     branches = [branch(c) for c in sizes]
 
     @jax.custom_vjp
-    def bucketed(x, w_gate, w_up, w_down, flat, slot, which):
-        return lax.switch(which, branches, x, w_gate, w_up, w_down, flat, slot)
+    def bucketed(x, weights, flat, slot, which):
+        return lax.switch(which, branches, x, weights, flat, slot)
 
     def bwd(inputs, g):
         *operands, flat, slot, which = inputs
@@ -176,17 +217,18 @@ def _dispatch_bucketed(x, idx, w_gate, w_up, w_down, policy):
 
     bucketed.defvjp(lambda *inputs: (bucketed(*inputs), inputs), bwd)
     which = bucket_index(counts, sizes)
-    return bucketed(x, w_gate, w_up, w_down, flat, slot, which).reshape(n, k, -1)
+    return bucketed(x, weights, flat, slot, which).reshape(n, k, -1)
 
 
-def _dispatch_capacity(x, idx, w_gate, w_up, w_down, policy):
+def _dispatch_capacity(x, idx, w_gate, w_up, w_down, policy, biases=None, act=None):
     n, k = idx.shape
     num_experts = w_gate.shape[0]
     capacity = max(1, math.ceil(policy.capacity_factor * n * k / num_experts))
     flat = idx.reshape(-1)  # priority: token order, then slot order
     slot_in_expert, _ = _buffer_slots(flat, num_experts)
     kept = slot_in_expert < capacity
-    y_buf = expert_ffn(_to_buffers(x, k, flat, slot_in_expert, num_experts, capacity), w_gate, w_up, w_down, policy)
+    y_buf = expert_ffn(_to_buffers(x, k, flat, slot_in_expert, num_experts, capacity), w_gate, w_up, w_down, policy,
+                       biases, act)
     y = y_buf[flat, jnp.minimum(slot_in_expert, capacity - 1)]
     y = jnp.where(kept[:, None], y, jnp.zeros_like(y))
     return y.reshape(n, k, -1), kept.reshape(n, k)

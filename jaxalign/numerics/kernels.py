@@ -154,7 +154,8 @@ def select_matmul(policy: NumericPolicy, k: int, n: int, operand_dtype, platform
 def select_attention(policy: NumericPolicy, groups: int, head_dim: int, standard: bool,
                      platform: str) -> Implementation:
     """The implementation of attention with `groups` query heads per kv head of `head_dim`; `standard`: scale
-    head_dim ** -0.5, values as wide as keys and no sparse key selection (what the Pallas kernel computes)."""
+    head_dim ** -0.5, values as wide as keys, no sparse key selection, sliding window or sinks (what the Pallas
+    kernel computes)."""
     chunk = policy.attention_chunk
     if chunk is None:
         return _chosen(Implementation("attention", "lax-full", platform))
@@ -162,8 +163,9 @@ def select_attention(policy: NumericPolicy, groups: int, head_dim: int, standard
         if not standard:
             raise ValueError(f"NumericPolicy.matmul_kernel = {policy.matmul_kernel!r} with attention = "
                              f"{policy.attention!r}: the Pallas attention kernel computes standard causal attention "
-                             f"(scale head_dim ** -0.5, values as wide as keys, no sparse key selection); this "
-                             f"model's attention (MLA or DSA) needs kernel=tiled:T or attn=full")
+                             f"(scale head_dim ** -0.5, values as wide as keys, no sparse key selection, window "
+                             f"or sinks); this model's attention (MLA, DSA, sinks or a sliding window) needs "
+                             f"kernel=tiled:T or attn=full")
         _check_platform(platform, policy)
         bm = policy.pallas_blocks[0]
     elif policy.tile_rows is None or not standard or _lax_tiled(policy, platform):

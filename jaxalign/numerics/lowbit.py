@@ -168,6 +168,28 @@ def quantize_mxfp4(w: jax.Array) -> LowBitWeight:
     return LowBitWeight(codes, biased, "mxfp4", MX_BLOCK)
 
 
+def mxfp4_from_blocks(blocks: np.ndarray, scales: np.ndarray) -> LowBitWeight:
+    """An MXFP4 checkpoint tensor (gpt-oss's `*_blocks` and `*_scales`, as transformers' `integrations/mxfp4.py`
+    reads them) as a `LowBitWeight`, bit for bit: no value is computed or rounded.
+
+    `blocks` [..., N, G, 16] uint8 holds, for each of N output rows, G blocks of 32 E2M1 codes along the
+    contraction K = 32 G, two per byte: the low nibble is the even element, the high nibble the odd one (E2M1
+    bit patterns: sign in bit 3, the magnitude's index among 0, 0.5, 1, 1.5, 2, 3, 4, 6 -- transformers'
+    `FP4_VALUES` order); `scales` [..., N, G] uint8 are the blocks' E8M0 exponents (2^(byte - 127)). The weight
+    comes out as jaxalign lays weights out, [..., K, N] (transformers' dequantised tensor transposed the same
+    way: `gate_up_proj` [E, H, 2I], `down_proj` [E, I, H])."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.ndim < 3 or blocks.shape[-1] != MX_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape}: expected blocks [..., N, G, "
+                         f"{MX_BLOCK // 2}] and scales [..., N, G]")
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [..., N, G, 16, 2]: even element, then odd
+    codes = codes.reshape(*blocks.shape[:-2], blocks.shape[-2] * MX_BLOCK)  # [..., N, K]
+    return LowBitWeight(jnp.asarray(np.swapaxes(codes, -1, -2)), jnp.asarray(np.swapaxes(scales, -1, -2)), "mxfp4",
+                        MX_BLOCK)
+
+
 def quantize_int4(w: jax.Array, group: int, scale_format: str) -> LowBitWeight:
     """w [..., K, N] (float32 master) as symmetric INT4 with one scale per `group` along K (module docstring)."""
     w = w.astype(jnp.float32)

@@ -108,6 +108,15 @@ FIELDS: dict[str, _Field] = {
     "attention": _Field("attn", "full|chunked:C (C a positive int)",
                         _either(_one_of("full"), _typed(Chunked)),
                         "full softmax over all keys, or online softmax over fixed chunks of C keys"),
+    "attn_sink": _Field("sink", "seed|merge", _one_of("seed", "merge"),
+                        "where an attention sink (a learned per-head logit that joins the softmax's max and sum but "
+                        "brings no value; gpt-oss, models with the sink kinds only) enters the softmax: seed = it "
+                        "starts the running max and sum (max = the sink, sum = 1) before any key, as flash kernels "
+                        "with sinks do (in the full form: the max over the keys and the sink, the sink's term added to "
+                        "the keys' sum, as transformers' eager concatenated column); merge = the keys' softmax runs "
+                        "as without a sink and the sink is merged in afterwards, the output scaled by the keys' share "
+                        "l / (l + exp(sink - m)) of the combined sum (how a kernel without sinks is corrected after "
+                        "the fact; jaxalign/numerics/attention.py)"),
     "attn_scores_dtype": _Field("attn_scores", "f32|bf16|f16", _DTYPE,
                                 "dtype the q.k scores are rounded to and scaled in (transformers' eager "
                                 "attention: the model dtype)"),
@@ -206,6 +215,7 @@ class NumericPolicy:
     combine_order: Literal["slot", "expert", "dense"] = "slot"
     dispatch: Literal["dense", "sorted", "gather", "bucketed"] | Capacity = "dense"
     attention: Literal["full"] | Chunked = "full"
+    attn_sink: Literal["seed", "merge"] = "seed"
     attn_scores_dtype: DType = DType.f32
     attn_softmax_dtype: DType = DType.f32
     kv_cache_dtype: DType = DType.f32

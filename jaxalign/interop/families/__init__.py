@@ -8,6 +8,7 @@ from jaxalign.interop.families.base import Family
 from jaxalign.interop.families.deepseek_v3 import DeepseekV3
 from jaxalign.interop.families.glm4_moe import Glm4Moe
 from jaxalign.interop.families.glm_moe_dsa import GlmMoeDsa
+from jaxalign.interop.families.gpt_oss import GptOss
 from jaxalign.interop.families.mixtral import Mixtral
 from jaxalign.interop.families.olmoe import Olmoe
 from jaxalign.interop.families.qwen2_moe import Qwen2Moe
@@ -42,5 +43,5 @@ def get(model_type: str) -> Family:
 
 
 for _family in (Qwen3Moe(), Qwen2Moe(), Mixtral(), Olmoe(), Glm4Moe(), DeepseekV3(), GlmMoeDsa(), Qwen3_5MoeText(),
-                Qwen3_5Moe(), Qwen3Next()):
+                Qwen3_5Moe(), Qwen3Next(), GptOss()):
     register(_family)

@@ -9,15 +9,18 @@ from jaxalign.model.config import ModelConfig
 from jaxalign.model.kinds.base import hf_field as get  # noqa: F401  (the families import it from here)
 
 
-def rope(hf: dict) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor); a RoPE scaling is refused by name."""
+def rope(hf: dict, rope_types: tuple[str, ...] = ("default",), default_theta: float = 10000.0
+         ) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor); a RoPE scaling other than `rope_types` is refused by name (a layer
+    kind that owns a scaling reads its settings)."""
     field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(f"{field}.rope_type = {rope_type!r} (a RoPE scaling) is not supported; supported: default "
-                         f"(unscaled RoPE)")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if rope_type not in rope_types and rope_type is not None:
+        unscaled = " (unscaled RoPE)" if rope_types == ("default",) else ""
+        raise ValueError(f"{field}.rope_type = {rope_type!r} (a RoPE scaling) is not supported; supported: "
+                         f"{', '.join(rope_types)}{unscaled}")
+    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
     return float(theta), float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
 
 
@@ -38,6 +41,12 @@ class Family:
     # them (reading detects either layout: `block_sparse_moe.` or `mlp.`, w1/w3/w2 or *_proj, or fused experts)
     moe_prefix: str = "mlp."
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    router_name: str = "gate"  # the router's module name in the MoE block (gpt-oss: `router`)
+    # gpt-oss's MoE extras (ModelConfig router_bias, expert_bias, swiglu_*): whether the family has them
+    moe_extras: bool = False
+    # RoPE types config.json may name (a layer kind reads a scaling's settings) and rope_theta when it names none
+    rope_types: tuple[str, ...] = ("default",)
+    default_theta: float = 10000.0
     # where the decoder's tensors live: `{tensor_prefix}embed_tokens.weight`, `{tensor_prefix}layers.{i}.`,
     # `{tensor_prefix}norm.weight` (a multimodal checkpoint's text tower: e.g. "model.language_model.")
     tensor_prefix: str = "model."
@@ -92,7 +101,7 @@ class Family:
 
     def common(self, hf: dict) -> dict:
         """The ModelConfig fields every family spells alike."""
-        theta, partial = rope(hf)
+        theta, partial = rope(hf, self.rope_types, self.default_theta)
         heads = hf["num_attention_heads"]
         return dict(family=self.model_type, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
                     n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -131,6 +140,11 @@ class Family:
         if (cfg.router, cfg.qk_norm) != (self.router, qk_norm) or mla != wants_mla:
             raise ValueError(f"config (router {cfg.router}, qk_norm {cfg.qk_norm}, attention {cfg.attention_kind}) "
                              f"does not fit {self.model_type}")
+        extras = (cfg.router_bias, cfg.expert_bias, cfg.swiglu_alpha is not None)
+        if extras != (self.moe_extras,) * 3:
+            raise ValueError(f"config (router_bias {cfg.router_bias}, expert_bias {cfg.expert_bias}, swiglu_alpha "
+                             f"{cfg.swiglu_alpha}) does not fit {self.model_type}: "
+                             f"{'it has all three' if self.moe_extras else 'gpt-oss MoE features are gpt_oss only'}")
 
     def export_fields(self, cfg: ModelConfig, out: dict) -> None:
         """Add (or remove) this family's config.json fields in `out`."""

@@ -7,7 +7,8 @@ state (an opaque pytree: init, reset of refilled rows, bytes), its LoRA targets,
 and its `jaxalign check` probes. `docs/adding-a-family.md` walks through adding one.
 
 Registered here: `gqa` (grouped-query attention), `mla` (multi-head latent attention), `dsa` (MLA with the
-DeepSeek sparse attention indexer), `gated_deltanet` (Qwen3.5 / Qwen3-Next linear attention).
+DeepSeek sparse attention indexer), `gated_deltanet` (Qwen3.5 / Qwen3-Next linear attention), `sink_attention` and
+`sliding_sink_attention` (gpt-oss: GQA with attention sinks, full or over a sliding window).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _register_builtin() -> None:
     from jaxalign.model.kinds.deltanet import GatedDeltaNetKind
     from jaxalign.model.kinds.gqa import GQA
     from jaxalign.model.kinds.mla import DSA, MLA
-    for kind in (GQA(), MLA(), DSA(), GatedDeltaNetKind()):
+    from jaxalign.model.kinds.sinks import SinkAttentionKind, SlidingSinkAttentionKind
+    for kind in (GQA(), MLA(), DSA(), GatedDeltaNetKind(), SinkAttentionKind(), SlidingSinkAttentionKind()):
         register(kind)
 
 

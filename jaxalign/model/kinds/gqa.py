@@ -74,20 +74,26 @@ class GQA(LayerKind):
         return out
 
     def probes(self, cfg, policy, rng, q_len: int, k_len: int) -> dict:
-        from jaxalign.numerics.attention import attention
-        from jaxalign.numerics.dtypes import as_compute, cast
-        q_pos = jnp.arange(k_len - q_len, k_len)[None]
-        k_pos = jnp.arange(k_len)[None]
+        return {"attention": attention_probe(cfg, policy, q_len, k_len)}
 
-        def attn(x):
-            b = x.shape[0]
-            q, k, v = jnp.split(x, [q_len * cfg.n_heads * cfg.head_dim,
-                                    (q_len * cfg.n_heads + cfg.n_kv_heads * k_len) * cfg.head_dim], axis=1)
-            # as the model calls it: queries in the compute dtype, keys and values as the KV cache stores them
-            return attention(as_compute(q.reshape(b, q_len, cfg.n_heads, cfg.head_dim), policy),
-                             cast(k.reshape(b, cfg.n_kv_heads, cfg.head_dim, k_len), policy.kv_cache_dtype),
-                             cast(v.reshape(b, cfg.n_kv_heads, k_len, cfg.head_dim), policy.kv_cache_dtype),
-                             jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy)
 
-        width = (q_len * cfg.n_heads + 2 * cfg.n_kv_heads * k_len) * cfg.head_dim
-        return {"attention": (random_rows(width), attn)}
+def attention_probe(cfg, policy, q_len: int, k_len: int, **options) -> tuple:
+    """(make, fn) for `jaxalign check`: GQA attention as the model calls it on `q_len` queries over `k_len`
+    positions, each row holding its queries, keys and values; `options` go to the kernel (a window, sinks)."""
+    from jaxalign.numerics.attention import attention
+    from jaxalign.numerics.dtypes import as_compute, cast
+    q_pos = jnp.arange(k_len - q_len, k_len)[None]
+    k_pos = jnp.arange(k_len)[None]
+
+    def attn(x):
+        b = x.shape[0]
+        q, k, v = jnp.split(x, [q_len * cfg.n_heads * cfg.head_dim,
+                                (q_len * cfg.n_heads + cfg.n_kv_heads * k_len) * cfg.head_dim], axis=1)
+        # as the model calls it: queries in the compute dtype, keys and values as the KV cache stores them
+        return attention(as_compute(q.reshape(b, q_len, cfg.n_heads, cfg.head_dim), policy),
+                         cast(k.reshape(b, cfg.n_kv_heads, cfg.head_dim, k_len), policy.kv_cache_dtype),
+                         cast(v.reshape(b, cfg.n_kv_heads, k_len, cfg.head_dim), policy.kv_cache_dtype),
+                         jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy, **options)
+
+    width = (q_len * cfg.n_heads + 2 * cfg.n_kv_heads * k_len) * cfg.head_dim
+    return random_rows(width), attn
