@@ -76,6 +76,7 @@ LONGEST_FIRST = (
     "tests/test_notebooks.py::test_notebook_executes[01_where_mismatch_arises.ipynb]",
     "tests/test_cli.py::test_demo_quick_runs",
     "tests/test_rl_trainer.py::test_sigkill_after_a_checkpoint_then_rerun_gives_the_uninterrupted_metrics_bitwise",
+    "tests/test_rl_vllm.py::test_a_sigkilled_vllm_run_leaves_no_vllm_process_and_resumes_with_every_sync_verified",
     "tests/test_lora.py::test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy[tiny-glm5-kv_b_proj]",
 )
 

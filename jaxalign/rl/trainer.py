@@ -331,8 +331,8 @@ class Trainer:
 
         def evaluated(row: dict) -> dict:
             row.update(self._evaluations())
-            if self._eval_syncs:  # the sampled evaluation synced the engine (lag >= 1): counted with the step's
-                for key, value in sync_fields(self._eval_syncs, always=True).items():
+            if self._eval_syncs and self.rollouts.records_syncs:  # the sampled evaluation synced the engine:
+                for key, value in sync_fields(self._eval_syncs, always=True).items():  # counted with the step's
                     row[key] = row.get(key, 0) + value
             return row
 
