@@ -29,6 +29,7 @@ count, so a row's bits are the same in the trainer's [B * S, K] product and the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -71,8 +72,6 @@ def bucket(rows: int, k: int, itemsize: int = 4) -> int:
 def environment() -> dict:
     """What a proof holds for: backend, device kind, jax and jaxlib versions, the instruction set XLA:CPU targets,
     XLA_FLAGS and the threads this process may run on."""
-    from jaxalign.numerics.platforms import effective_isa
-
     device = jax.devices()[0]
     try:
         threads = len(os.sched_getaffinity(0))
@@ -80,8 +79,16 @@ def environment() -> dict:
         threads = os.cpu_count() or 1
     return {"backend": device.platform, "device": device.device_kind, "jax": jax.__version__,
             "jaxlib": jaxlib.__version__,
-            "isa": effective_isa() if device.platform == "cpu" else None,
+            "isa": _isa(os.environ.get("XLA_FLAGS", "")) if device.platform == "cpu" else None,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "threads": threads}
+
+
+@functools.lru_cache(maxsize=16)
+def _isa(xla_flags: str) -> str:
+    """The instruction set XLA:CPU targets under these flags (read once per flags value, not once per product)."""
+    from jaxalign.numerics.platforms import effective_isa
+
+    return effective_isa(xla_flags)
 
 
 @dataclasses.dataclass(frozen=True)
