@@ -175,12 +175,9 @@ FULL_MATRIX_ONLY = {
          "[gpu-pallas:16x64x64]", "the Pallas kernels end to end: the kernel cases"),
 }
 
-# What one core leg leaves to the full matrix beside FULL_MATRIX_ONLY: the excess-precision flag (a rounding
-# claim about XLA's fusion) runs in the SSE4_2 leg only, the ISA least like the native run's
-CORE_LEG_LEAVES = {
-    "AVX2": {"tests/test_alignment.py::test_excess_precision_is_off":
-             (None, "a flag whose effect is a rounding: the SSE4_2 core leg runs it")},
-}
+# What one core leg leaves to the full matrix beside FULL_MATRIX_ONLY ({leg: {prefix: (cover, why)}}). Empty since
+# the core keeps one leg (AVX2; SSE4_2 is a full-matrix leg): the AVX2 leg runs the excess-precision flag too
+CORE_LEG_LEAVES: dict[str, dict[str, tuple[str | None, str]]] = {}
 
 
 def matrix_scope(environ=None) -> str:

@@ -188,6 +188,10 @@ def test_aligned_engine_equals_trainer_with_trained_norms_decays_and_conv():
     np.testing.assert_array_equal(np.asarray(lp)[rollout.mask], rollout.logprobs[rollout.mask])
 
 
+@pytest.mark.full_matrix(
+    cover="tests/test_deltanet.py::test_aligned_engine_equals_trainer_with_trained_norms_decays_and_conv",
+    why="the aligned arm's KL 0 rests on the hybrid's engine == trainer bits (the cover, with trained states); "
+        "the RL loop itself is the default model's (tests/test_rl_trainer.py)")
 def test_countdown_experiment_runs_on_the_hybrid_with_the_aligned_arm_at_kl_0(tmp_path):
     """`jaxalign experiment countdown --model tiny-qwen3.5` (GRPO and evaluation; no warm start, to stay fast) runs end
     to end, and the aligned arm's engine reports the trainer's logprobs bitwise at every step: rollout KL, k3 and

@@ -578,6 +578,10 @@ def test_qwen3_5_moe_cached_decode_and_export_round_trip(qwen35, tmp_path):
 
 
 @pytest.mark.bitwise
+@pytest.mark.full_matrix(
+    cover="tests/test_alignment.py::test_aligned_is_bitwise_for_every_batch_and_schedule[hybrid-continuous]",
+    why="the held-out checkpoint's aligned engine: the hybrid preset's claim (the cover); its loading is "
+        "test_qwen3_5_moe_cached_decode_and_export_round_trip's")
 def test_qwen3_5_moe_checkpoint_aligned_engine_is_bitwise_and_the_stack_pair_has_a_gap(qwen35):
     """The held-out checkpoint as loaded: under aligned-bf16 the engine's logprobs are the trainer's bitwise for 6
     prompts, static (batch 4) and continuous (4 slots, two refills); train-bf16 (chunked delta rule) against

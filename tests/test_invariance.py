@@ -107,9 +107,14 @@ def test_probed_products_keep_row_bits_whatever_the_row_count():
         assert np.array_equal(np.asarray(run(x[:rows], w)).view(np.uint16), full[:rows]), rows
 
 
-@pytest.mark.parametrize("schedule", ["static", pytest.param("continuous", marks=pytest.mark.full_matrix(
-    cover="tests/test_invariance.py::test_probed_engine_equals_trainer_bitwise[static]",
-    why="the same products as the static case; the continuous schedule's alignment is the tiles' claim"))])
+COVER = "tests/test_invariance.py::test_probed_gives_the_tiles_bits_with_the_plain_product"
+
+
+@pytest.mark.parametrize("schedule", [
+    pytest.param("static", marks=pytest.mark.full_matrix(
+        cover=COVER, why="the cover runs the same static compare with the probed engine against a tiled trainer")),
+    pytest.param("continuous", marks=pytest.mark.full_matrix(
+        cover=COVER, why="the same products as the static case; the continuous schedule's alignment is the tiles'"))])
 def test_probed_engine_equals_trainer_bitwise(schedule):
     """aligned-bf16 with kernel=probed:8 on the small model: the engine's logprobs are its trainer's, bit for
     bit, static and continuous (the alignment claim does not depend on which products the probe proved)."""

@@ -171,7 +171,12 @@ class _ParityTask:
         return {"task": "parity-of-first-token"}
 
 
-@pytest.mark.parametrize("preset, inner", [("tiny-glm5", "kv_b_proj"), ("tiny-qwen3.5", "in_proj_qkv")])
+@pytest.mark.parametrize("preset, inner", [
+    ("tiny-glm5", "kv_b_proj"),
+    pytest.param("tiny-qwen3.5", "in_proj_qkv", marks=pytest.mark.full_matrix(
+        cover="tests/test_lora.py::test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy"
+              "[tiny-glm5-kv_b_proj]",
+        why="the same trainer on another family's adapted projection (the hybrid's fused qkv)"))])
 def test_lora_trainer_on_mla_updates_only_adapters_and_stays_on_policy(preset, inner, tmp_path):
     """GRPO with adapters on every mixer projection (MLA's kv_b_proj included, read inside attention; the gated
     DeltaNet's in_proj_qkv / in_proj_z / out_proj beside gated attention's): the aligned engine reports the

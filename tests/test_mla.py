@@ -87,7 +87,11 @@ def test_expanded_trainer_against_absorbed_engine_has_a_gap(model):
 
 
 
-@pytest.mark.parametrize("schedule, chunk", [("static", None), ("static", 4), ("continuous", None)])
+@pytest.mark.parametrize("schedule, chunk", [
+    pytest.param("static", None, marks=pytest.mark.full_matrix(
+        cover="tests/test_mla.py::test_dsa_engine_greedy_equals_teacher_forced_argmax[static-4]",
+        why="the static schedule without a prefill chunk: the chunked case's selections include its prompts'")),
+    ("static", 4), ("continuous", None)])
 def test_dsa_engine_greedy_equals_teacher_forced_argmax(schedule, chunk):
     """tiny-glm5: decode selects among the cached indexer keys; greedy picks the teacher-forced argmax."""
     glm5 = build_model("tiny-glm5")
@@ -99,6 +103,9 @@ def test_dsa_engine_greedy_equals_teacher_forced_argmax(schedule, chunk):
         np.testing.assert_array_equal(rollout.completion(i), logits[i, p - 1: p - 1 + g].argmax(-1))
 
 
+@pytest.mark.full_matrix(
+    cover="tests/test_check.py::test_glm5_aligned_pair_passes_with_latent_attention_and_indexer_probes",
+    why="the DSA model's aligned engine at several batches: `check` on the same pair asserts it bit for bit")
 def test_dsa_aligned_is_bitwise_at_every_engine_batch_and_continuous():
     glm5 = build_model("tiny-glm5")
     runs = compare(glm5, ALIGNED, ALIGNED, n_prompts=32, max_new_tokens=6, engine_batches=(1, 8, 32),

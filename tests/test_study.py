@@ -118,6 +118,10 @@ def test_study_arms_vary_only_the_engine_except_the_fix():
     assert "k3-9.0e-04.none" in names and "k3-2.5e-02.none" in names
 
 
+@pytest.mark.full_matrix(
+    cover="tests/test_study.py::test_the_report_is_rebuilt_from_the_files_alone_and_its_verdict_follows_the_data",
+    why="the seed-regime study end to end (calibration, jobs=2 == jobs=1); its report is the cover's claim and "
+        "the experiment runner it calls is tests/test_staleness_study.py's and tests/test_lowbit_study.py's")
 def test_a_tiny_study_calibrates_runs_in_parallel_like_serially_and_reports(tmp_path):
     exp = ExperimentConfig(arms=("aligned",), seeds=(0,), steps=2, prompts_per_step=2, group_size=2,
                            max_new_tokens=16, eval_every=1, eval_problems=8, problem_count=(2, 2), held_out=0.2,
