@@ -8,9 +8,10 @@ import hashlib
 import json
 from typing import Any
 
+from jaxalign.model.dsv4 import DeepseekV4
 from jaxalign.model.rope_scaling import Yarn
 
-ROUTERS = ("softmax_topk", "sigmoid_grouped", "topk_softmax")
+ROUTERS = ("softmax_topk", "sigmoid_grouped", "topk_softmax", "sqrtsoftplus")
 QK_NORMS = ("none", "head", "proj")
 ATTENTION_KINDS = ("gqa", "mla")
 
@@ -23,7 +24,11 @@ class ModelConfig:
     renormalisation (`norm_topk_prob`). `sigmoid_grouped` (DeepSeek-V3, GLM-4.5): sigmoid scores, a selection-only
     bias, group-limited top-k (`n_groups`, `topk_groups`, group score = sum of its top-2), weights from the
     bias-free scores, optional renormalisation, times `routed_scaling_factor`. `topk_softmax` (gpt-oss): top-k
-    on the logits, then a softmax over the k chosen (`norm_topk_prob` does not apply).
+    on the logits, then a softmax over the k chosen (`norm_topk_prob` does not apply). `sqrtsoftplus`
+(DeepSeek-V4): scores sqrt(softplus(logits)), then as `sigmoid_grouped` without groups (`model/dsv4_moe.py`).
+
+DeepSeek-V4 (`deepseek_v4`, a `model.dsv4.DeepseekV4` value owned by the `dsv4_*` layer kinds): its attention,
+hyper-connection and MoE settings in one typed field; a model with it runs `model/hyper.py`'s blocks.
 
     gpt-oss's MoE extras: `router_bias` (a bias on the router's logits), `expert_bias` (biases on the experts'
     gate, up and down projections) and its clamped SwiGLU (`swiglu_alpha` and `swiglu_limit`, both set or both
@@ -101,6 +106,8 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    # DeepSeek-V4 (the dsv4_* kinds, hyper-connections, hash routing; see above)
+    deepseek_v4: DeepseekV4 | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dense_mlp_dim",
@@ -153,6 +160,7 @@ class ModelConfig:
 
     def _check_gpt_oss_moe(self) -> None:
         object.__setattr__(self, "rope_yarn", Yarn.coerce(self.rope_yarn))  # a dict from JSON
+        object.__setattr__(self, "deepseek_v4", DeepseekV4.coerce(self.deepseek_v4))
         for name in ("router_bias", "expert_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} = {getattr(self, name)!r}; allowed: True, False")
@@ -255,7 +263,7 @@ class ModelConfig:
 
 
 _OMITTED_AT_DEFAULT = {"attn_output_gate": False, "norm_zero_centred": False, "router_bias": False,
-                       "expert_bias": False, "swiglu_alpha": None, "swiglu_limit": None}
+                       "expert_bias": False, "swiglu_alpha": None, "swiglu_limit": None, "deepseek_v4": None}
 
 
 def preset_names() -> tuple[str, ...]:
