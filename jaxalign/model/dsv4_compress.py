@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxalign.model.dsv4 import rope_tail
 from jaxalign.model.layers import Linear, RMSNorm, param
-from jaxalign.numerics import NumericPolicy, cast
+from jaxalign.numerics import NumericPolicy, as_param, cast
 from jaxalign.numerics.dtypes import as_compute
 from jaxalign.numerics.reduce import reduce_sum, softmax
 
@@ -72,8 +72,10 @@ class Compressor(nnx.Module):
         r, d = self.rate, self.dim
         nb = n // r
         kv = as_compute(kv, policy).reshape(b, nb, r, width)
-        # transformers adds the float32 position_bias to the gate: the sum is float32
-        gate = gate.astype(jnp.float32).reshape(b, nb, r, width) + self.position_bias[...]
+        # transformers adds its float32 position_bias to the gate: the sum is float32 (the bias rounded to the
+        # param dtype first, as every parameter: trainer masters and engine copies agree)
+        gate = gate.astype(jnp.float32).reshape(b, nb, r, width) + as_param(self.position_bias[...],
+                                                                            policy).astype(jnp.float32)
         if self.overlap:  # entry w: window w-1's Ca (first d), window w's Cb (last d)
             prev_kv = jnp.pad(kv[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)))
             prev_gate = jnp.pad(gate[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)

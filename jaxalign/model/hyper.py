@@ -12,7 +12,10 @@ pre weights) before the final norm.
 
 Numerics: as transformers, the weights are computed in float32 (the streams read in float32); the collapse sums
 in float32 and rounds once to the compute dtype; post and comb are rounded to the compute dtype and the mix is
-computed in it. Sums go through the policy's reductions.
+computed in it. Sums go through the policy's reductions. Deliberate difference: transformers keeps `fn`, `base`,
+`scale` and `hc_head` in float32 whatever the model's dtype; here they are rounded to the policy's param dtype
+(`as_param`, then used in float32) as every parameter is, so a trainer's masters and an engine's cast copy give
+the same weights (tests/test_deepseek_v4_engine.py: without it the aligned engine differed on every token).
 
 `HyperBlock` is the block that carries the streams: the layer kind's mixer, then DeepSeek-V4's MoE
 (`model/dsv4_moe.py`), each between two hyper-connections.
@@ -27,11 +30,16 @@ from flax import nnx
 from jaxalign.model import kinds
 from jaxalign.model.dsv4_moe import V4MoE
 from jaxalign.model.layers import RMSNorm, param
-from jaxalign.numerics import NumericPolicy, as_compute, cast
+from jaxalign.numerics import NumericPolicy, as_compute, as_param, cast
 from jaxalign.numerics import precision
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.reduce import divide_by, reduce_sum, rms_norm, softmax
 from jaxalign.numerics.schedule import policy_for
+
+
+def _f32_param(p, policy: NumericPolicy) -> jax.Array:
+    """A parameter rounded to the policy's param dtype, then in float32."""
+    return as_param(p[...], policy).astype(jnp.float32)
 
 
 def _normed_mixes(x: jax.Array, fn: jax.Array, policy: NumericPolicy, eps: float) -> jax.Array:
@@ -62,8 +70,8 @@ class HyperConnection(nnx.Module):
     def weights(self, x: jax.Array, policy: NumericPolicy):
         """(pre [B, S, N], post [B, S, N], comb [B, S, N, N]) in float32 for streams x [B, S, N, D]."""
         n = self.n
-        mixes = _normed_mixes(x, self.fn[...], policy, self.norm_eps)
-        base, scale = self.base[...], self.scale[...]
+        mixes = _normed_mixes(x, _f32_param(self.fn, policy), policy, self.norm_eps)
+        base, scale = _f32_param(self.base, policy), _f32_param(self.scale, policy)
         pre_w, post_w, comb_w = mixes[..., :n], mixes[..., n:2 * n], mixes[..., 2 * n:]
         pre = precision.logistic(pre_w * scale[0] + base[:n], policy) + jnp.float32(self.eps)
         post = 2.0 * precision.logistic(post_w * scale[1] + base[n:2 * n], policy)
@@ -110,8 +118,9 @@ class HyperHead(nnx.Module):
         self.hc_scale = param(rngs, (1,), ("unsharded",), init="ones")
 
     def __call__(self, x: jax.Array, policy: NumericPolicy) -> jax.Array:
-        mixes = _normed_mixes(x, self.hc_fn[...], policy, self.norm_eps)
-        pre = precision.logistic(mixes * self.hc_scale[...][0] + self.hc_base[...], policy) + jnp.float32(self.eps)
+        mixes = _normed_mixes(x, _f32_param(self.hc_fn, policy), policy, self.norm_eps)
+        pre = precision.logistic(mixes * _f32_param(self.hc_scale, policy)[0] + _f32_param(self.hc_base, policy),
+                                 policy) + jnp.float32(self.eps)
         return collapse(pre, x, policy)
 
 
