@@ -28,3 +28,29 @@ def test_aligned_engine_equals_the_trainer_bitwise(schedule, chunk):
                   engine_batches=(4,), schedule=schedule, prefill_chunk=chunk)["runs"][0]
     assert run["bitwise_equal_fraction"] == 1.0 and run["max_abs_logp_diff"] == 0.0, run
     assert run["k3_kl"] == 0.0 and run["route_flip_rate"] == 0.0 and run["n_tokens"] == 6 * 12
+
+
+def test_hash_layers_route_by_token_and_ignore_replay():
+    """R3 on DeepSeek-V4: a hash-routed layer's experts are `tid2eid[token]` (the record says so, with margin +inf:
+    no flip is possible), so replay there is ignored -- any recorded ids give the same logits bitwise -- while on a
+    top-k layer replayed ids do move the logits."""
+    import numpy as np
+
+    from conftest import forward_logits
+    model = build_model("tiny-deepseek-v4")
+    cfg = model.config
+    assert cfg.deepseek_v4.hash_layers == (0,)
+    fp32 = NumericPolicy.preset("fp32")
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
+    logits, record = forward_logits(model, tokens, fp32)
+    indices = np.asarray(record.indices)
+    np.testing.assert_array_equal(indices[:, :, 0], model.blocks[0].mlp.table.array[tokens])
+    assert np.isinf(np.asarray(record.margins)[:, :, 0]).all() and np.isfinite(np.asarray(record.margins)[:, :, 1:]).all()
+    noise = np.random.default_rng(1).integers(0, cfg.n_experts, indices.shape)
+    on_hash = indices.copy()
+    on_hash[:, :, 0] = noise[:, :, 0]
+    replayed = forward_logits(model, tokens, fp32, replay=on_hash)[0]
+    np.testing.assert_array_equal(np.asarray(replayed), np.asarray(logits))
+    on_topk = indices.copy()
+    on_topk[:, :, 1] = (indices[:, :, 1] + 1) % cfg.n_experts
+    assert np.abs(np.asarray(forward_logits(model, tokens, fp32, replay=on_topk)[0]) - np.asarray(logits)).max() > 0
