@@ -54,3 +54,14 @@ def test_hash_layers_route_by_token_and_ignore_replay():
     on_topk = indices.copy()
     on_topk[:, :, 1] = (indices[:, :, 1] + 1) % cfg.n_experts
     assert np.abs(np.asarray(forward_logits(model, tokens, fp32, replay=on_topk)[0]) - np.asarray(logits)).max() > 0
+
+
+def test_config_round_trips_and_old_fingerprints_stay():
+    """`deepseek_v4` is owned by the dsv4 kinds: a DeepSeek-V4 config round-trips through to_dict / JSON, and a
+    model without it has no such key (so no other preset's fingerprint moved)."""
+    import json
+
+    from jaxalign import ModelConfig
+    cfg = ModelConfig.preset("tiny-deepseek-v4")
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert "deepseek_v4" not in ModelConfig.preset("tiny").to_dict()

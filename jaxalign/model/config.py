@@ -263,7 +263,7 @@ hyper-connection and MoE settings in one typed field; a model with it runs `mode
 
 
 _OMITTED_AT_DEFAULT = {"attn_output_gate": False, "norm_zero_centred": False, "router_bias": False,
-                       "expert_bias": False, "swiglu_alpha": None, "swiglu_limit": None, "deepseek_v4": None}
+                       "expert_bias": False, "swiglu_alpha": None, "swiglu_limit": None}
 
 
 def preset_names() -> tuple[str, ...]:
