@@ -84,7 +84,7 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
         with open_safetensors(os.path.join(path, name)) as f:
             for key in f.keys():
                 arr = f.get_tensor(key)
-                if arr.dtype == np.uint8:
+                if arr.dtype == np.uint8 or arr.dtype.kind == "i":  # MXFP4 bytes; integer tables (V4's tid2eid)
                     out[key] = arr
                     continue
                 if arr.dtype.kind not in "fV" and str(arr.dtype) != "bfloat16":
@@ -174,11 +174,13 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
             block["mlp"] = mlp
         else:
             block["mlp"] = _mlp(t, p + "mlp.", d, cfg.dense_mlp_dim)
+        family.block_params(cfg, t, p, i, block)
         blocks[i] = block
     params = {"embed": {"table": t.take(top + "embed_tokens.weight", (cfg.vocab_size, d))}, "blocks": blocks,
               "final_norm": {"scale": t.take(top + "norm.weight", (d,))}}
     if not cfg.tie_embeddings:
         params["lm_head"] = {"w": t.take("lm_head.weight", (cfg.vocab_size, d)).T}
+    family.model_params(cfg, t, params)
     unused = sorted(set(tensors) - t.used - {"lm_head.weight"})
     ignored = [u for u in unused if family.ignores(u)]
     if ignored:
@@ -201,11 +203,14 @@ def load(path: str) -> Transformer:
     if not isinstance(hf_config, dict):
         raise ValueError(f"{config_path}: expected a JSON object (a transformers config)")
     cfg = config_from_hf(hf_config)
-    params = params_from_hf(read_tensors(path), cfg)
+    tensors = read_tensors(path)
+    params = params_from_hf(tensors, cfg)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params))
     nnx.update(model, state)
+    family = _family_of(cfg)
+    family.attach(model, family.tensors_in(tensors, cfg))
     return model
 
 
@@ -245,7 +250,10 @@ def tensors_to_hf(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
                 out[f"{moe}{shared}{name}_proj.weight"] = m["shared"][name]["w"].T
         if cfg.shared_expert_gate:
             out[moe + "shared_expert_gate.weight"] = m["shared_gate"]["w"].T
-    return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in family.tensors_out(out, cfg).items()}
+        family.block_tensors(cfg, b, pre, out)
+    family.model_tensors(model, p, out)
+    return {k: np.ascontiguousarray(v.astype(dtype) if v.dtype.kind == "f" else v)  # integer tables as they are
+            for k, v in family.tensors_out(out, cfg).items()}
 
 
 def save(model: Transformer, path: str, dtype=np.float32) -> None:

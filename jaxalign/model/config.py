@@ -8,9 +8,10 @@ import hashlib
 import json
 from typing import Any
 
+from jaxalign.model.dsv4 import DeepseekV4
 from jaxalign.model.rope_scaling import Yarn
 
-ROUTERS = ("softmax_topk", "sigmoid_grouped", "topk_softmax")
+ROUTERS = ("softmax_topk", "sigmoid_grouped", "topk_softmax", "sqrtsoftplus")
 QK_NORMS = ("none", "head", "proj")
 ATTENTION_KINDS = ("gqa", "mla")
 
@@ -23,7 +24,11 @@ class ModelConfig:
     renormalisation (`norm_topk_prob`). `sigmoid_grouped` (DeepSeek-V3, GLM-4.5): sigmoid scores, a selection-only
     bias, group-limited top-k (`n_groups`, `topk_groups`, group score = sum of its top-2), weights from the
     bias-free scores, optional renormalisation, times `routed_scaling_factor`. `topk_softmax` (gpt-oss): top-k
-    on the logits, then a softmax over the k chosen (`norm_topk_prob` does not apply).
+    on the logits, then a softmax over the k chosen (`norm_topk_prob` does not apply). `sqrtsoftplus`
+(DeepSeek-V4): scores sqrt(softplus(logits)), then as `sigmoid_grouped` without groups (`model/dsv4_moe.py`).
+
+DeepSeek-V4 (`deepseek_v4`, a `model.dsv4.DeepseekV4` value owned by the `dsv4_*` layer kinds): its attention,
+hyper-connection and MoE settings in one typed field; a model with it runs `model/hyper.py`'s blocks.
 
     gpt-oss's MoE extras: `router_bias` (a bias on the router's logits), `expert_bias` (biases on the experts'
     gate, up and down projections) and its clamped SwiGLU (`swiglu_alpha` and `swiglu_limit`, both set or both
@@ -101,6 +106,8 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    # DeepSeek-V4 (the dsv4_* kinds, hyper-connections, hash routing; see above)
+    deepseek_v4: DeepseekV4 | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dense_mlp_dim",
@@ -153,6 +160,7 @@ class ModelConfig:
 
     def _check_gpt_oss_moe(self) -> None:
         object.__setattr__(self, "rope_yarn", Yarn.coerce(self.rope_yarn))  # a dict from JSON
+        object.__setattr__(self, "deepseek_v4", DeepseekV4.coerce(self.deepseek_v4))
         for name in ("router_bias", "expert_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} = {getattr(self, name)!r}; allowed: True, False")
@@ -248,7 +256,7 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
         """A named preset: tiny, small, bench, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, tiny-olmoe,
-        tiny-glm4-moe, tiny-deepseek-v3, tiny-glm5, tiny-qwen3.5, tiny-gpt-oss."""
+        tiny-glm4-moe, tiny-deepseek-v3, tiny-glm5, tiny-qwen3.5, tiny-gpt-oss, tiny-deepseek-v4."""
         if name not in _PRESETS:
             raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(_PRESETS)}")
         return _PRESETS[name]
@@ -328,4 +336,17 @@ _PRESETS: dict[str, ModelConfig] = {
                                 layer_types=("sliding_sink_attention", "sink_attention"), sliding_window=8,
                                 rope_yarn=Yarn(factor=32.0, original_max_position=4096, truncate=False),
                                 router_bias=True, expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0),
+    # DeepSeek-V4 (transformers deepseek_v4): HCA (entries of 8 tokens), CSA (entries of 4, the indexer's 2 heads of
+    # 16 keeping 3) and sliding-only layers, all over a window of 8 with sinks, one shared key = value head of 16
+    # (rope on its last 8 dims), grouped output (2 groups of rank 8); 2 hyper-connection streams (4 Sinkhorn
+    # iterations); top-2 of 8 experts by sqrtsoftplus scores, hash-routed on the first layer, a shared expert, the
+    # SwiGLU limited to 2
+    "tiny-deepseek-v4": ModelConfig(**{**_TINY, "n_layers": 3, "n_kv_heads": 1, "head_dim": 16, "top_k": 2},
+                                    family="deepseek_v4", router="sqrtsoftplus", routed_scaling_factor=1.5,
+                                    n_shared_experts=1, shared_expert_dim=16, partial_rotary_factor=0.5,
+                                    layer_types=("dsv4_hca", "dsv4_csa", "dsv4_sliding"),
+                                    deepseek_v4=DeepseekV4(q_rank=16, window=8, csa_rate=4, hca_rate=8,
+                                                           compress_theta=40000.0, o_groups=2, o_rank=8,
+                                                           index_heads=2, index_dim=16, index_topk=3, hc_mult=2,
+                                                           hc_iters=4, hash_layers=(0,), swiglu_limit=2.0)),
 }

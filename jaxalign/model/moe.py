@@ -10,7 +10,7 @@ from jaxalign.model.config import ModelConfig
 from jaxalign.model.layers import DenseMLP, Linear, param
 from jaxalign.numerics import NumericPolicy, as_param, cast
 from jaxalign.numerics.experts import (ClampedSwiGLU, combine, dispatch, normalize_gate_weights, router_sigmoid,
-                                       sigmoid)
+                                       router_sqrtsoftplus, sigmoid)
 from jaxalign.numerics.matmul import matmul
 from jaxalign.numerics.reduce import softmax
 from jaxalign.numerics.select import top_k
@@ -51,6 +51,10 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
     elif cfg.router == "softmax_topk":
         scores = softmax(logits, policy, policy.router_softmax_dtype)
         select = scores
+    elif cfg.router == "sqrtsoftplus":  # DeepSeek-V4: no groups; the selection bias as DeepSeek-V3's
+        scores = router_sqrtsoftplus(logits, policy)
+        select = scores if bias is None else scores + cast(cast(bias, policy.router_logits_dtype),
+                                                          policy.router_softmax_dtype)
     else:
         scores = router_sigmoid(logits, policy)
         bias = cast(cast(bias, policy.router_logits_dtype), policy.router_softmax_dtype)
@@ -66,7 +70,7 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array | None, cfg: ModelC
         use_replay = jnp.all(replay >= 0, axis=-1, keepdims=True)
         idx = jnp.where(use_replay, jnp.clip(replay, 0, cfg.n_experts - 1), idx)
     weights = jnp.take_along_axis(scores, idx, axis=-1)
-    sigmoid_router = cfg.router == "sigmoid_grouped"
+    sigmoid_router = cfg.router in ("sigmoid_grouped", "sqrtsoftplus")
     if cfg.router == "topk_softmax":
         weights = softmax(weights, policy, policy.router_softmax_dtype)
     else:
@@ -88,7 +92,7 @@ class MoE(nnx.Module):
         e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_dim
         self.router = param(rngs, (d, e), ("embed", "expert_scores"), fan_in=d)
         self.selection_bias = (param(rngs, (e,), ("expert_scores",), init="zeros")
-                               if cfg.router == "sigmoid_grouped" else None)
+                               if cfg.router in ("sigmoid_grouped", "sqrtsoftplus") else None)
         self.w_gate = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), fan_in=d)
         self.w_up = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), fan_in=d)
         self.w_down = param(rngs, (e, f, d), ("expert", "expert_mlp", "embed"), fan_in=f)

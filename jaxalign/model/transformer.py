@@ -9,6 +9,7 @@ from flax import nnx
 
 from jaxalign.model import kinds
 from jaxalign.model.config import ModelConfig
+from jaxalign.model.hyper import HyperBlock, HyperHead, expand_streams
 from jaxalign.model.layers import DenseMLP, Embedding, Linear, RMSNorm
 from jaxalign.model.moe import MoE
 from jaxalign.model.routing import (RoutingRecord, check_expert_indices, check_index_positions,
@@ -20,6 +21,7 @@ from jaxalign.numerics.matmul import matmul
 from jaxalign.runtime import require_exact_rounding
 
 ACTIVATION = ("batch", "seq", "act_embed")  # the residual stream between layers (model/sharding.py)
+STREAMS = ("batch", "seq", None, "act_embed")  # DeepSeek-V4's hyper-connection streams [B, S, N, D]
 
 
 class Block(nnx.Module):
@@ -76,7 +78,9 @@ class Transformer(nnx.Module):
         self.config = config
         self.embed = Embedding(config.vocab_size, config.d_model, rngs=rngs)
         moe_layers = set(config.moe_layers)
-        self.blocks = nnx.List([Block(config, i in moe_layers, rngs=rngs, layer=i) for i in range(config.n_layers)])
+        block = Block if config.deepseek_v4 is None else HyperBlock  # DeepSeek-V4: hyper-connection streams
+        self.blocks = nnx.List([block(config, i in moe_layers, rngs=rngs, layer=i) for i in range(config.n_layers)])
+        self.hc_head = None if config.deepseek_v4 is None else HyperHead(config, rngs=rngs)
         self.final_norm = RMSNorm(config.d_model, config.rms_eps, "embed", rngs=rngs,
                                   zero_centred=config.norm_zero_centred)
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size,
@@ -117,6 +121,9 @@ class Transformer(nnx.Module):
         if index_replay is not None:
             check_index_positions(index_replay, cfg, b, s)
         x = constrain(self.embed(tokens, policy_for(policy, "embed")), ACTIVATION)
+        streams = self.hc_head is not None
+        if streams:
+            x = expand_streams(x, cfg.deepseek_v4.hc_mult)
         new_kv, records, selections = [], [], []
         for i, block in enumerate(self.blocks):
             layer_replay = layer_weights = None
@@ -125,16 +132,19 @@ class Transformer(nnx.Module):
                 layer_weights = None if replay_weights is None else replay_weights[:, :, len(records)]
             layer_kv = None if kv is None else kv[i]
             layer_index = None if index_replay is None else index_replay[:, :, i]
+            extra = {"tokens": tokens} if streams else {}
             x, layer_kv, routing, selection = block(x, positions, policy, layer_kv, layer_replay, layer=i,
                                                     index_replay=layer_index, replay_weights=layer_weights,
-                                                    valid=valid)
-            x = constrain(x, ACTIVATION)
+                                                    valid=valid, **extra)
+            x = constrain(x, STREAMS if streams else ACTIVATION)
             new_kv.append(layer_kv)
             if routing is not None:
                 records.append(routing)
             if selection is not None:
                 selections.append(selection)
         head = policy_for(policy, "head")
+        if streams:
+            x = self.hc_head(x, head)
         x = self.final_norm(x, head)
         if self.lm_head is None:
             logits = self.embed.attend(x, head)

@@ -79,9 +79,33 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, act: ClampedSwiGLU, policy: N
     return cast(cast(up.astype(jnp.float32) + 1.0, name).astype(jnp.float32) * glu.astype(jnp.float32), name)
 
 
-def gated(gate: jax.Array, up: jax.Array, policy: NumericPolicy, act: ClampedSwiGLU | None = None) -> jax.Array:
-    """The experts' gated activation: SwiGLU, or gpt-oss's clamped form when `act` is given."""
-    return swiglu(gate, up, policy) if act is None else clamped_swiglu(gate, up, act, policy)
+@dataclasses.dataclass(frozen=True)
+class LimitedSwiGLU:
+    """DeepSeek-V4's expert activation (transformers' `DeepseekV4Experts._apply_gate` and `DeepseekV4MLP`): SwiGLU
+    with gate clamped above at `limit` and up to [-limit, limit] (clamps are exact: `swiglu` of the clamped)."""
+
+    limit: float
+
+
+def gated(gate: jax.Array, up: jax.Array, policy: NumericPolicy,
+          act: ClampedSwiGLU | LimitedSwiGLU | None = None) -> jax.Array:
+    """The experts' gated activation: SwiGLU, gpt-oss's clamped form (`ClampedSwiGLU`) or DeepSeek-V4's limited
+    one (`LimitedSwiGLU`) when `act` is given."""
+    if act is None:
+        return swiglu(gate, up, policy)
+    if isinstance(act, LimitedSwiGLU):
+        limit = jnp.asarray(act.limit, gate.dtype)
+        return swiglu(jnp.minimum(gate, limit), jnp.clip(up, -limit, limit), policy)
+    return clamped_swiglu(gate, up, act, policy)
+
+
+def router_sqrtsoftplus(logits: jax.Array, policy: NumericPolicy) -> jax.Array:
+    """DeepSeek-V4's router scores sqrt(softplus(logits)), in `router_softmax_dtype` (transformers' float32
+    `SqrtSoftplusActivation`; torch's softplus returns x itself above 20, where log1p(exp(x)) differs from x by
+    less than one float32 ulp). The exp and log1p at the policy's `transcendental_accuracy`."""
+    x = cast(logits, policy.router_softmax_dtype)
+    softplus = jnp.maximum(x, 0) + jnp.log1p(precision.exp(-jnp.abs(x), policy))
+    return jnp.sqrt(softplus)
 
 
 def _biased(y: jax.Array, bias: jax.Array | None, policy: NumericPolicy) -> jax.Array:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxalign.interop.families.base import Family
 from jaxalign.interop.families.deepseek_v3 import DeepseekV3
+from jaxalign.interop.families.deepseek_v4 import DeepseekV4
 from jaxalign.interop.families.glm4_moe import Glm4Moe
 from jaxalign.interop.families.glm_moe_dsa import GlmMoeDsa
 from jaxalign.interop.families.gpt_oss import GptOss
@@ -43,5 +44,5 @@ def get(model_type: str) -> Family:
 
 
 for _family in (Qwen3Moe(), Qwen2Moe(), Mixtral(), Olmoe(), Glm4Moe(), DeepseekV3(), GlmMoeDsa(), Qwen3_5MoeText(),
-                Qwen3_5Moe(), Qwen3Next(), GptOss()):
+                Qwen3_5Moe(), Qwen3Next(), GptOss(), DeepseekV4()):
     register(_family)

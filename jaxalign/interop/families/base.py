@@ -62,6 +62,25 @@ class Family:
         """The inverse of `tensors_in`: the layer kinds' tensors in this family's checkpoint layout."""
         return tensors
 
+    def block_params(self, cfg: ModelConfig, t, prefix: str, layer: int, block: dict) -> None:
+        """Add a decoder layer's parameters beyond the shared names to `block` (its parameter dict), taking
+        tensors with `t.take(name, shape)` (`t.has(name)` tests); e.g. DeepSeek-V4's hyper-connections. By
+        default nothing."""
+
+    def model_params(self, cfg: ModelConfig, t, params: dict) -> None:
+        """Add model-level parameters beyond the embedding, final norm and LM head to `params` (default none)."""
+
+    def block_tensors(self, cfg: ModelConfig, block: dict, prefix: str, out: dict) -> None:
+        """Inverse of `block_params`: add the layer's extra tensors to `out` (default none)."""
+
+    def model_tensors(self, model, params: dict, out: dict) -> None:
+        """Inverse of `model_params` (and of `attach`): add model-level tensors to `out` (default none)."""
+
+    def attach(self, model, tensors: dict) -> None:
+        """After `load` set the parameters: fix whatever the checkpoint holds that is not a parameter (e.g.
+        DeepSeek-V4's hash-routing tables) on the built `model`, from `tensors` (after `tensors_in`). Default
+        nothing."""
+
     def ignores(self, name: str) -> bool:
         """Whether `load` may leave the checkpoint tensor `name` unused (e.g. a vision tower the text model does
         not run; say so in `refuse` or the docs). By default every tensor must be used."""

@@ -8,7 +8,8 @@ and its `jaxalign check` probes. `docs/adding-a-family.md` walks through adding 
 
 Registered here: `gqa` (grouped-query attention), `mla` (multi-head latent attention), `dsa` (MLA with the
 DeepSeek sparse attention indexer), `gated_deltanet` (Qwen3.5 / Qwen3-Next linear attention), `sink_attention` and
-`sliding_sink_attention` (gpt-oss: GQA with attention sinks, full or over a sliding window).
+`sliding_sink_attention` (gpt-oss: GQA with attention sinks, full or over a sliding window), `dsv4_sliding`,
+`dsv4_csa` and `dsv4_hca` (DeepSeek-V4: sliding window, plus compressed sparse or heavily compressed attention).
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ def kind_of(cfg, layer: int) -> LayerKind:
 
 def _register_builtin() -> None:
     from jaxalign.model.kinds.deltanet import GatedDeltaNetKind
+    from jaxalign.model.kinds.dsv4 import DeepseekV4CSAKind, DeepseekV4HCAKind, DeepseekV4Kind
     from jaxalign.model.kinds.gqa import GQA
     from jaxalign.model.kinds.mla import DSA, MLA
     from jaxalign.model.kinds.sinks import SinkAttentionKind, SlidingSinkAttentionKind
-    for kind in (GQA(), MLA(), DSA(), GatedDeltaNetKind(), SinkAttentionKind(), SlidingSinkAttentionKind()):
+    for kind in (GQA(), MLA(), DSA(), GatedDeltaNetKind(), SinkAttentionKind(), SlidingSinkAttentionKind(),
+                 DeepseekV4Kind(), DeepseekV4CSAKind(), DeepseekV4HCAKind()):
         register(kind)
 
 

@@ -1,0 +1,67 @@
+"""The engine's promise on DeepSeek-V4 (tiny-deepseek-v4: HCA, CSA with its indexer and sliding-only layers over a
+window shorter than prompt plus completion, sinks, hyper-connection streams, a hash-routed layer, sqrtsoftplus
+routing, the SwiGLU limit): under aligned-bf16 its logprobs equal the trainer's bitwise for 6 prompts, static (batch
+4, prefill in chunks of 4) and continuous (4 slots, two refills). The held-out transformers checkpoint's parity is
+tests/test_deepseek_v4.py."""
+
+import pytest
+
+from jaxalign import NumericPolicy
+
+from conftest import build_model
+
+ALIGNED = NumericPolicy.preset("aligned-bf16")
+
+
+CONTINUOUS = pytest.mark.full_matrix(
+    cover="tests/test_deepseek_v4_engine.py::test_aligned_engine_equals_the_trainer_bitwise[static-4]",
+    why="the second schedule of the same claim (continuous batching with refills: 40 s more on 2 cores)")
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("schedule, chunk", [("static", 4), pytest.param("continuous", None, marks=CONTINUOUS)])
+def test_aligned_engine_equals_the_trainer_bitwise(schedule, chunk):
+    """6 prompts of up to 16 tokens and 12 new ones (window and HCA entries of 8, CSA entries of 4), static batch 4
+    with prefill in chunks of 4 / continuous batching on 4 slots."""
+    from jaxalign.align.compare import compare
+    run = compare(build_model("tiny-deepseek-v4"), ALIGNED, ALIGNED, n_prompts=6, max_new_tokens=12,
+                  engine_batches=(4,), schedule=schedule, prefill_chunk=chunk)["runs"][0]
+    assert run["bitwise_equal_fraction"] == 1.0 and run["max_abs_logp_diff"] == 0.0, run
+    assert run["k3_kl"] == 0.0 and run["route_flip_rate"] == 0.0 and run["n_tokens"] == 6 * 12
+
+
+def test_hash_layers_route_by_token_and_ignore_replay():
+    """R3 on DeepSeek-V4: a hash-routed layer's experts are `tid2eid[token]` (the record says so, with margin +inf:
+    no flip is possible), so replay there is ignored -- any recorded ids give the same logits bitwise -- while on a
+    top-k layer replayed ids do move the logits."""
+    import numpy as np
+
+    from conftest import forward_logits
+    model = build_model("tiny-deepseek-v4")
+    cfg = model.config
+    assert cfg.deepseek_v4.hash_layers == (0,)
+    fp32 = NumericPolicy.preset("fp32")
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
+    logits, record = forward_logits(model, tokens, fp32)
+    indices = np.asarray(record.indices)
+    np.testing.assert_array_equal(indices[:, :, 0], model.blocks[0].mlp.table.array[tokens])
+    assert np.isinf(np.asarray(record.margins)[:, :, 0]).all() and np.isfinite(np.asarray(record.margins)[:, :, 1:]).all()
+    noise = np.random.default_rng(1).integers(0, cfg.n_experts, indices.shape)
+    on_hash = indices.copy()
+    on_hash[:, :, 0] = noise[:, :, 0]
+    replayed = forward_logits(model, tokens, fp32, replay=on_hash)[0]
+    np.testing.assert_array_equal(np.asarray(replayed), np.asarray(logits))
+    on_topk = indices.copy()
+    on_topk[:, :, 1] = (indices[:, :, 1] + 1) % cfg.n_experts
+    assert np.abs(np.asarray(forward_logits(model, tokens, fp32, replay=on_topk)[0]) - np.asarray(logits)).max() > 0
+
+
+def test_config_round_trips_and_old_fingerprints_stay():
+    """`deepseek_v4` is owned by the dsv4 kinds: a DeepSeek-V4 config round-trips through to_dict / JSON, and a
+    model without it has no such key (so no other preset's fingerprint moved)."""
+    import json
+
+    from jaxalign import ModelConfig
+    cfg = ModelConfig.preset("tiny-deepseek-v4")
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert "deepseek_v4" not in ModelConfig.preset("tiny").to_dict()
