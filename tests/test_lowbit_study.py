@@ -1,7 +1,7 @@
 """The low-bit study (jaxalign.rl.lowbit_study): arms that differ only in real formats, the answer format with
 worked steps, the re-fitted band and its random-drop control, the statistics, and a short run end to end with
 its report rebuilt from the files alone. The study itself is a command (`jaxalign experiment lowbit`), its data
-in docs/lowbit/."""
+in docs/lowbit/ (the first design's runs in docs/lowbit-first/)."""
 
 import dataclasses
 import json

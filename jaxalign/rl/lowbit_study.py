@@ -88,7 +88,7 @@ ALIGNED_ARMS = ("aligned", "aligned-mxfp4")
 
 
 def default_experiment(seeds=(0, 1, 2, 3, 4, 5), steps: int = 200) -> ExperimentConfig:
-    """The study's RL settings: Countdown with 3-4 numbers in 1..9, targets a left-to-right chain of the numbers
+    """The study's RL settings: Countdown with 3-4 numbers in 1..5, targets a left-to-right chain of the numbers
     reaches (`countdown.TARGET_KINDS`) and worked steps (held out as the other studies: a hashed 20% split), 16
     problems x 8 samples per step in 4 minibatches at learning rate 5e-4 (2e-3, the one-minibatch studies' rate,
     drove the aligned arm onto the habit within 20 steps: docs/lowbit.md), evaluation every 10 steps (greedy under
@@ -96,9 +96,9 @@ def default_experiment(seeds=(0, 1, 2, 3, 4, 5), steps: int = 200) -> Experiment
     habit of dividing the numbers in the order given (45% of its traces solve)."""
     return ExperimentConfig(
         arms=study_arms(), seeds=tuple(seeds), steps=steps, model="countdown-steps", answer_format="steps",
-        targets="chain", problem_count=(3, 4), max_number=9, max_target=99, max_new_tokens=64,
+        targets="chain", problem_count=(3, 4), max_number=5, max_target=99, max_new_tokens=64,
         minibatches=MINIBATCHES, eval_sampled=True, eval_every=10, eval_problems=256, learning_rate=5e-4,
-        sft=SFTConfig(steps=900, problems=12000, answers="habit:0.45:/", max_new_tokens=64))
+        sft=SFTConfig(steps=1500, problems=20000, answers="habit:0.45:/", max_new_tokens=64))
 
 
 def git_commit() -> str | None:
