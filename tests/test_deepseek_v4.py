@@ -19,6 +19,7 @@ from jaxalign.interop import hf  # noqa: E402
 from jaxalign.loading import load_model  # noqa: E402
 
 from conftest import forward_logits  # noqa: E402
+from hf_checkpoints import checkpoint, reference_logits, token_ids  # noqa: E402
 
 pytestmark = pytest.mark.hf
 # transformers' indexer keeps torch.topk's choice among exactly tied scores (ReLU makes exact zeros common):
@@ -71,18 +72,14 @@ def _perturbed(model):
 def deepseek_v4(tmp_path_factory):
     torch.manual_seed(0)
     model = _perturbed(transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**CONFIG)))
-    path = str(tmp_path_factory.mktemp("deepseek_v4"))
-    model.save_pretrained(path)
-    return model, path
+    return checkpoint(model, tmp_path_factory, "deepseek_v4")
 
 
 def _tokens(batch=2, seq=SEQ, seed=0):
-    return np.random.default_rng(seed).integers(0, CONFIG["vocab_size"], (batch, seq))
+    return token_ids(CONFIG["vocab_size"], batch, seq, seed)
 
 
-def _reference(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(tokens), use_cache=False).logits.float().numpy()
+_reference = reference_logits
 
 
 def test_fp32_logits_match_transformers(deepseek_v4):

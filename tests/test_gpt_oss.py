@@ -20,6 +20,7 @@ from jaxalign.model.rope_scaling import Yarn  # noqa: E402
 from jaxalign.numerics.lowbit import mxfp4_from_blocks, quantize_mxfp4  # noqa: E402
 
 from conftest import forward_logits  # noqa: E402
+from hf_checkpoints import checkpoint, reference_logits, token_ids  # noqa: E402
 
 pytestmark = pytest.mark.hf
 FP32 = ja.NumericPolicy.preset("fp32")
@@ -61,19 +62,15 @@ def _perturbed(model):
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     torch.manual_seed(0)
-    model = _perturbed(transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)))
-    path = str(tmp_path_factory.mktemp("gpt_oss"))
-    model.save_pretrained(path)
-    return model, path
+    return checkpoint(_perturbed(transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG))), tmp_path_factory,
+                      "gpt_oss")
 
 
 def _tokens(batch=2, seq=SEQ, seed=0):
-    return np.random.default_rng(seed).integers(0, CONFIG["vocab_size"], (batch, seq))
+    return token_ids(CONFIG["vocab_size"], batch, seq, seed)
 
 
-def _reference(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(tokens), use_cache=False).logits.float().numpy()
+_reference = reference_logits
 
 
 def test_fp32_logits_match_transformers_in_every_form(gpt_oss):
