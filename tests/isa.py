@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 ISA_FLAG = "--xla_cpu_max_isa"
+LEGS = ("AVX2", "SSE4_2")  # the capped legs of tests/test_isa_matrix.py, highest first
 
 
 def child_xla_flags(*extra: str, flags: str | None = None) -> str:
@@ -52,6 +53,13 @@ def leg_already_run(isa: str, xla_flags: str | None = None, cpu_flags: set[str] 
     if cap is None and host_isa(cpu_flags) == isa:
         return f"this CPU's best instruction set is {isa}: the native run is this leg"
     return None
+
+
+def core_leg(xla_flags: str | None = None, cpu_flags: set[str] | None = None) -> str | None:
+    """The one leg the core runs: the first of LEGS that would not repeat this run (AVX2 on an AVX-512 host,
+    SSE4_2 on an AVX2 host, whose native run is the AVX2 leg); None where every leg would. The full matrix runs
+    every leg."""
+    return next((isa for isa in LEGS if leg_already_run(isa, xla_flags, cpu_flags) is None), None)
 
 
 def current_isa() -> str:
@@ -176,7 +184,7 @@ FULL_MATRIX_ONLY = {
 }
 
 # What one core leg leaves to the full matrix beside FULL_MATRIX_ONLY ({leg: {prefix: (cover, why)}}). Empty since
-# the core keeps one leg (AVX2; SSE4_2 is a full-matrix leg): the AVX2 leg runs the excess-precision flag too
+# the core runs one leg (`core_leg`: the first below the host's own ISA), which runs the excess-precision flag too
 CORE_LEG_LEAVES: dict[str, dict[str, tuple[str | None, str]]] = {}
 
 
