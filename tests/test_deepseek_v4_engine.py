@@ -65,3 +65,18 @@ def test_config_round_trips_and_old_fingerprints_stay():
     cfg = ModelConfig.preset("tiny-deepseek-v4")
     assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert "deepseek_v4" not in ModelConfig.preset("tiny").to_dict()
+
+
+@pytest.mark.full_matrix(cover="tests/test_knobs.py::test_knob_changes_numbers_and_restores[sinkhorn_iters=2]",
+                         why="the same flip seen through the engine and the trainer (60 s more on 2 cores)")
+def test_engine_with_fewer_sinkhorn_iterations_drifts_from_the_trainer():
+    """An engine that runs 2 Sinkhorn iterations where the checkpoint's config says 4 (tiny-deepseek-v4's
+    hc_iters; `sinkhorn_iters=2`) against an aligned trainer running the config's: the only policy difference,
+    and the logprobs differ."""
+    from jaxalign.align.compare import compare
+    model = build_model("tiny-deepseek-v4")
+    assert model.config.deepseek_v4.hc_iters == 4
+    engine = ALIGNED.replace(sinkhorn_iters=2)
+    assert ALIGNED.diff(engine) == [("sinkhorn_iters", "model", "2")]
+    run = compare(model, ALIGNED, engine, n_prompts=4, max_new_tokens=8, engine_batches=(4,))["runs"][0]
+    assert run["max_abs_logp_diff"] > 0.0 and run["bitwise_equal_fraction"] < 1.0, run

@@ -55,6 +55,9 @@ KNOBS = [
     ("quant_scope", "serve-mxfp4", "all"),
     ("kv_quant", "serve-fp8", "e5m2"),
     ("logit_scale", "serve-bf16", "1.05"),  # the synthetic study knob
+    # mHC's Sinkhorn (numerics/sinkhorn.py), on DeepSeek-V4 (tiny-deepseek-v4: hc_iters = 4)
+    ("sinkhorn_iters", "fp32", "2"),  # an engine running fewer iterations than the checkpoint's config
+    ("sinkhorn_dtype", "fp32", "bf16"),
     # gated DeltaNet (numerics/delta_rule.py), on the Qwen3.5 hybrid (tiny-qwen3.5)
     ("delta_rule", "fp32", "recurrent"),
     ("delta_rule", "fp32", "chunked:8"),  # the chunk size (fp32's is 64); in bf16 the forms' f32 differences
@@ -64,7 +67,8 @@ KNOBS = [
 ]
 KNOB_MODELS = {"mla": "tiny-deepseek-v3", "index_scores_dtype": "tiny-glm5", "index_ties": "tiny-glm5",
                "delta_rule": "tiny-qwen3.5", "attn_sink": "tiny-gpt-oss",
-               "delta_state_dtype": "tiny-qwen3.5", "conv_state_dtype": "tiny-qwen3.5"}
+               "delta_state_dtype": "tiny-qwen3.5", "conv_state_dtype": "tiny-qwen3.5",
+               "sinkhorn_iters": "tiny-deepseek-v4", "sinkhorn_dtype": "tiny-deepseek-v4"}
 
 
 # Values that only change how the same sums are laid out (which rows each expert product sees). XLA:CPU may or may

@@ -6,7 +6,8 @@ map `fn` [(2 + N) * N, N * D] plus `base`, three `scale`s) and gives
     pre  = sigmoid(pre_w * scale[0] + base) + eps                 [N]   (collapses the streams to the block input)
     post = 2 * sigmoid(post_w * scale[1] + base)                  [N]   (spreads the block output over the streams)
     comb = Sinkhorn(softmax(comb_w * scale[2] + base, rows) + eps) [N, N] (mixes the streams)
-with Sinkhorn: columns normalised, then `hc_iters - 1` times rows then columns (each sum + eps). The block's new
+with Sinkhorn: columns normalised, then `hc_iters - 1` times rows then columns (each sum + eps; the count and the
+dtype are the policy's `sinkhorn_iters` and `sinkhorn_dtype`, numerics/sinkhorn.py). The block's new
 streams are  post[k] * out + sum_j comb[j, k] * streams[j].  `HyperHead` collapses the streams once more (its own
 pre weights) before the final norm.
 
@@ -33,8 +34,9 @@ from jaxalign.model.layers import RMSNorm, param
 from jaxalign.numerics import NumericPolicy, as_compute, as_param, cast
 from jaxalign.numerics import precision
 from jaxalign.numerics.matmul import matmul
-from jaxalign.numerics.reduce import divide_by, reduce_sum, rms_norm, softmax
+from jaxalign.numerics.reduce import reduce_sum, rms_norm, softmax
 from jaxalign.numerics.schedule import policy_for
+from jaxalign.numerics.sinkhorn import sinkhorn
 
 
 def _f32_param(p, policy: NumericPolicy) -> jax.Array:
@@ -81,16 +83,9 @@ class HyperConnection(nnx.Module):
         return pre, post, comb
 
     def _sinkhorn(self, comb: jax.Array, policy: NumericPolicy) -> jax.Array:
-        """Columns normalised, then `iters - 1` rounds of rows then columns (each divided by its sum + eps)."""
-        eps = jnp.float32(self.eps)
-
-        def norm(c, axis):
-            return divide_by(c, reduce_sum(c, policy, axis=axis, keepdims=True) + eps, axis, policy)
-
-        comb = norm(comb, -2)
-        for _ in range(self.iters - 1):
-            comb = norm(norm(comb, -1), -2)
-        return comb
+        """Columns normalised, then rounds of rows then columns (each divided by its sum + eps): `iters - 1` of
+        them under the policy's `sinkhorn_iters=model`, in its `sinkhorn_dtype` (numerics/sinkhorn.py)."""
+        return sinkhorn(comb, policy, self.iters, self.eps)
 
     def __call__(self, x: jax.Array, policy: NumericPolicy):
         """(post, comb, the collapsed block input [B, S, D])."""

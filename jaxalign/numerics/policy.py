@@ -53,6 +53,18 @@ def _logit_scale(value) -> float | None:
     return number if 0.0 < number <= 4.0 else None
 
 
+def _iterations(value) -> int | None:
+    """An int >= 1 (text of decimal digits, or an int that is not a bool), or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 1 else None
+    if isinstance(value, str) and value.strip().isdigit():
+        number = int(value.strip())
+        return number if number >= 1 else None
+    return None
+
+
 _DTYPE = _typed(DType)
 _F32_ONLY = lambda v: DType.f32 if v == "f32" else None  # noqa: E731
 
@@ -174,6 +186,15 @@ FIELDS: dict[str, _Field] = {
                           "SYNTHETIC, not a number format: the LM head's logits multiplied by this factor (1 = off), "
                           "i.e. sampling at another temperature -- a controllable engine-side gap for studying doses "
                           "that FP8 does not reach on a small model (jaxalign.rl.study); never part of a preset"),
+    "sinkhorn_iters": _Field("sinkhorn", "model|N (N an int >= 1)", _either(_one_of("model"), _iterations),
+                             "mHC models only (DeepSeek-V4): how many Sinkhorn iterations normalise the hyper-"
+                             "connections' stream-mixing matrix (columns, then N - 1 rounds of rows then columns): "
+                             "model = the model config's hc_iters (hc_sinkhorn_iters of the checkpoint); N = that many "
+                             "whatever the config says, as an engine running fewer iterations than the checkpoint's "
+                             "(jaxalign/numerics/sinkhorn.py)"),
+    "sinkhorn_dtype": _Field("sinkhorn_dtype", "f32|bf16|f16", _DTYPE,
+                             "mHC models only (DeepSeek-V4): dtype the Sinkhorn iterations compute in (the mixing "
+                             "matrix rounded to it, its row and column sums and divisions in it)"),
     "delta_rule": _Field("delta", "recurrent|chunked:C (C a positive int)",
                          _either(_one_of("recurrent"), _typed(Chunked)),
                          "gated DeltaNet layers only: recurrent = one token at a time (transformers' "
@@ -231,6 +252,8 @@ class NumericPolicy:
     quant_scale: Literal["f32", "e8m0"] = "f32"
     kv_quant: Literal["none", "e4m3", "e5m2"] = "none"
     logit_scale: float = 1.0
+    sinkhorn_iters: Literal["model"] | int = "model"
+    sinkhorn_dtype: DType = DType.f32
     delta_rule: Literal["recurrent"] | Chunked = Chunked(64)
     delta_state_dtype: DType = DType.f32
     conv_state_dtype: DType = DType.f32
