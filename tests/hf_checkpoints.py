@@ -23,3 +23,39 @@ def reference_logits(model, tokens) -> np.ndarray:
     """transformers' float32 logits of `tokens` (one full forward, no cache)."""
     with torch.no_grad():
         return model(torch.tensor(tokens), use_cache=False).logits.float().numpy()
+
+
+def transformers_cached_logits(model, tokens, prefill: int) -> np.ndarray:
+    """transformers' logits decoding `tokens` with its cache: a prefill of `prefill` tokens, then one token at a
+    time; [batch, seq - prefill, vocab] for positions prefill - 1 .. seq - 2."""
+    with torch.no_grad():
+        out = model(torch.tensor(tokens[:, :prefill]), use_cache=True)
+        cache, steps = out.past_key_values, [out.logits[:, -1].float().numpy()]
+        for t in range(prefill, tokens.shape[1] - 1):
+            out = model(torch.tensor(tokens[:, t:t + 1]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits[:, -1].float().numpy())
+    return np.stack(steps, 1)
+
+
+def our_cached_logits(model, tokens, policy, steps: int) -> np.ndarray:
+    """The project's logits decoding the first `steps` of `tokens` one token at a time through each layer kind's
+    engine state (the forward's `kv`), under `policy`: [batch, steps, vocab]."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxalign.model import kinds
+    cfg, (batch, seq) = model.config, tokens.shape
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tokens, positions, kv):
+        return nnx.merge(graphdef, state).forward(tokens, policy, positions=positions, kv=kv)[::2]
+
+    kv = [kinds.kind_of(cfg, i).init_state(cfg, batch, seq, policy) for i in range(cfg.n_layers)]
+    out = []
+    for t in range(steps):
+        logits, kv = step(state, jnp.asarray(tokens[:, t:t + 1]), jnp.full((batch, 1), t, jnp.int32), kv)
+        out.append(np.asarray(logits))
+    return np.concatenate(out, 1)

@@ -19,7 +19,8 @@ from jaxalign.interop import hf  # noqa: E402
 from jaxalign.loading import load_model  # noqa: E402
 
 from conftest import forward_logits  # noqa: E402
-from hf_checkpoints import checkpoint, reference_logits, token_ids  # noqa: E402
+from hf_checkpoints import (checkpoint, our_cached_logits, reference_logits, token_ids,  # noqa: E402
+                            transformers_cached_logits)
 
 pytestmark = pytest.mark.hf
 # transformers' indexer keeps torch.topk's choice among exactly tied scores (ReLU makes exact zeros common):
@@ -121,38 +122,14 @@ def test_cached_decode_matches_transformers(deepseek_v4):
     so far -- which is not what transformers' own full forward does (its rows hold every entry of the sequence,
     the future ones at -inf), so transformers' cached and full logits differ at such ties (pinned here); ours
     follow each side: the full forward in test_fp32_logits_match_transformers, the decode here."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxalign.model import kinds
     model, path = deepseek_v4
     ours = hf.load(path)
     tokens = _tokens(seed=1)
     prefill = 8
-    with torch.no_grad():
-        out = model(torch.tensor(tokens[:, :prefill]), use_cache=True)
-        cache, steps = out.past_key_values, [out.logits[:, -1].float().numpy()]
-        for t in range(prefill, SEQ - 1):
-            out = model(torch.tensor(tokens[:, t:t + 1]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            steps.append(out.logits[:, -1].float().numpy())
-    theirs_cached = np.stack(steps, 1)  # positions prefill - 1 .. SEQ - 2
+    theirs_cached = transformers_cached_logits(model, tokens, prefill)  # positions prefill - 1 .. SEQ - 2
     assert np.abs(theirs_cached - _reference(model, tokens)[:, prefill - 1:-1]).max() > 1e-2
 
-    cfg = ours.config
-    graphdef, state = nnx.split(ours)
-
-    @jax.jit
-    def step(state, tokens, positions, kv):
-        return nnx.merge(graphdef, state).forward(tokens, HF_FP32, positions=positions, kv=kv)[::2]
-
-    kv = [kinds.kind_of(cfg, i).init_state(cfg, 2, SEQ, HF_FP32) for i in range(cfg.n_layers)]
-    ours_cached = []
-    for t in range(SEQ - 1):
-        logits, kv = step(state, jnp.asarray(tokens[:, t:t + 1]), jnp.full((2, 1), t, jnp.int32), kv)
-        ours_cached.append(np.asarray(logits))
-    ours_cached = np.concatenate(ours_cached, 1)
+    ours_cached = our_cached_logits(ours, tokens, HF_FP32, SEQ - 1)
     assert np.abs(ours_cached[:, prefill - 1:] - theirs_cached).max() <= 1e-4
 
 

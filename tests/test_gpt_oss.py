@@ -20,7 +20,8 @@ from jaxalign.model.rope_scaling import Yarn  # noqa: E402
 from jaxalign.numerics.lowbit import mxfp4_from_blocks, quantize_mxfp4  # noqa: E402
 
 from conftest import forward_logits  # noqa: E402
-from hf_checkpoints import checkpoint, reference_logits, token_ids  # noqa: E402
+from hf_checkpoints import (checkpoint, our_cached_logits, reference_logits, token_ids,  # noqa: E402
+                            transformers_cached_logits)
 
 pytestmark = pytest.mark.hf
 FP32 = ja.NumericPolicy.preset("fp32")
@@ -109,39 +110,15 @@ def test_cached_decode_matches_transformers_both_ways(gpt_oss):
     """transformers' decode from its cache (a prefill of 8, then one token at a time to 96) gives our teacher-forced
     fp32 logits within 1e-4; our decode from the engine's state (the kinds' KV cache, one token at a time from the
     first) gives transformers' teacher-forced logits within 1e-4."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxalign.model import kinds
     model, path = gpt_oss
     ours = hf.load(path)
     tokens = _tokens(seed=1)
     prefill = 8
-    with torch.no_grad():
-        out = model(torch.tensor(tokens[:, :prefill]), use_cache=True)
-        cache, steps = out.past_key_values, [out.logits[:, -1].float().numpy()]
-        for t in range(prefill, SEQ - 1):
-            out = model(torch.tensor(tokens[:, t:t + 1]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            steps.append(out.logits[:, -1].float().numpy())
-    theirs_cached = np.stack(steps, 1)
+    theirs_cached = transformers_cached_logits(model, tokens, prefill)
     ours_full = np.asarray(forward_logits(ours, tokens, FP32)[0])
     assert np.abs(theirs_cached - ours_full[:, prefill - 1:-1]).max() <= 1e-4
 
-    cfg = ours.config
-    graphdef, state = nnx.split(ours)
-
-    @jax.jit
-    def step(state, tokens, positions, kv):
-        return nnx.merge(graphdef, state).forward(tokens, FP32, positions=positions, kv=kv)[::2]
-
-    kv = [kinds.kind_of(cfg, i).init_state(cfg, 2, SEQ, FP32) for i in range(cfg.n_layers)]
-    ours_cached = []
-    for t in range(SEQ):
-        logits, kv = step(state, jnp.asarray(tokens[:, t:t + 1]), jnp.full((2, 1), t, jnp.int32), kv)
-        ours_cached.append(np.asarray(logits))
-    ours_cached = np.concatenate(ours_cached, 1)
+    ours_cached = our_cached_logits(ours, tokens, FP32, SEQ)
     assert np.abs(ours_cached - _reference(model, tokens)).max() <= 1e-4
 
 
