@@ -17,6 +17,7 @@ from jaxalign.metrics.mismatch import mismatch_metrics  # noqa: E402
 from jaxalign.interop import hf  # noqa: E402
 
 from conftest import build_model, forward_logits  # noqa: E402
+from hf_checkpoints import transformers_cached_logits  # noqa: E402
 
 pytestmark = pytest.mark.hf
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -410,7 +411,7 @@ def test_dsa_selections_prefill_and_decode_match_transformers(tmp_path):
     picked = []
     hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, i, o: picked.append(o.clone()))
              for layer in model.model.layers]
-    steps = _hf_cached_decode(model, tokens)
+    steps = transformers_cached_logits(model, tokens, 8)
     for h in hooks:
         h.remove()
     n_layers = len(model.model.layers)
@@ -475,7 +476,7 @@ def test_torch_cpu_ties_follow_transformers_in_prefill_and_cached_decode(tmp_pat
     picked = []
     hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, i, o: picked.append(o.clone()))
              for layer in model.model.layers]
-    _hf_cached_decode(model, tokens, prefill=prompt)
+    transformers_cached_logits(model, tokens, prompt)
     for h in hooks:
         h.remove()
     n_layers = len(model.model.layers)
@@ -489,26 +490,13 @@ def test_torch_cpu_ties_follow_transformers_in_prefill_and_cached_decode(tmp_pat
     assert sets(_visible(theirs_decode)) != sets(_visible(theirs_forward)[:, :total - 1])  # torch's own split
 
 
-def _hf_cached_decode(model, tokens, prefill: int = 8) -> np.ndarray:
-    """transformers' next-token logits [B, S-1-prefill+1, V]: a prefill of `prefill` tokens, then one token at a
-    time from its cache."""
-    with torch.no_grad():
-        out = model(torch.tensor(tokens[:, :prefill]), use_cache=True)
-        cache, steps = out.past_key_values, [out.logits[:, -1].float().numpy()]
-        for t in range(prefill, tokens.shape[1] - 1):
-            out = model(torch.tensor(tokens[:, t:t + 1]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            steps.append(out.logits[:, -1].float().numpy())
-    return np.stack(steps, 1)
-
-
 def test_mla_cached_decode_of_transformers_matches_our_logits(tmp_path):
     """deepseek_v3: transformers' step-by-step decode from its latent cache gives our teacher-forced fp32 logits
     within 1e-4 at every step (the glm_moe_dsa case is in the DSA test above)."""
     model = hf_model("deepseek_v3")
     ours = hf.load(_save(model, tmp_path / "dsv3"))
     tokens = _tokens(2, 20, seed=6)
-    steps = _hf_cached_decode(model, tokens)
+    steps = transformers_cached_logits(model, tokens, 8)
     logits = np.asarray(forward_logits(ours, tokens, FP32)[0])[:, 7:-1]
     assert np.abs(logits).max() > 0.5
     assert np.abs(steps - logits).max() <= 1e-4
@@ -565,7 +553,7 @@ def test_qwen3_5_moe_cached_decode_and_export_round_trip(qwen35, tmp_path):
     model, path = qwen35
     ours = hf.load(path)
     tokens = _tokens(2, 24, seed=8)
-    steps = _hf_cached_decode(model, tokens)
+    steps = transformers_cached_logits(model, tokens, 8)
     logits = np.asarray(forward_logits(ours, tokens, FP32)[0])
     assert np.abs(steps - logits[:, 7:-1]).max() <= 1e-4
     out = str(tmp_path / "export")
@@ -650,7 +638,7 @@ def test_qwen3_next_fp32_parity_both_forms_and_cached_decode(qwen3_next):
     for form in ("chunked:64", "recurrent"):
         assert np.abs(np.asarray(forward_logits(ours, tokens, FP32.replace(delta_rule=form))[0]) - ref).max() <= 1e-4
     short = tokens[:, :24]
-    steps = _hf_cached_decode(model, short)
+    steps = transformers_cached_logits(model, short, 8)
     assert np.abs(steps - np.asarray(forward_logits(ours, short, FP32)[0])[:, 7:-1]).max() <= 1e-4
 
 
