@@ -59,3 +59,19 @@ def our_cached_logits(model, tokens, policy, steps: int) -> np.ndarray:
         logits, kv = step(state, jnp.asarray(tokens[:, t:t + 1]), jnp.full((batch, 1), t, jnp.int32), kv)
         out.append(np.asarray(logits))
     return np.concatenate(out, 1)
+
+
+def export_round_trip(path: str, out: str):
+    """Load the checkpoint at `path` with `interop.hf`, write it back to `out`, and read both safetensors files:
+    (our model, the tensors transformers saved, the tensors we wrote), after checking the names are the same."""
+    import os
+
+    from safetensors.numpy import load_file
+
+    from jaxalign.interop import hf
+    ours = hf.load(path)
+    hf.save(ours, out)
+    theirs = load_file(os.path.join(path, "model.safetensors"))
+    written = load_file(os.path.join(out, "model.safetensors"))
+    assert set(written) == set(theirs)
+    return ours, theirs, written

@@ -19,7 +19,7 @@ from jaxalign.interop import hf  # noqa: E402
 from jaxalign.loading import load_model  # noqa: E402
 
 from conftest import forward_logits  # noqa: E402
-from hf_checkpoints import (checkpoint, our_cached_logits, reference_logits, token_ids,  # noqa: E402
+from hf_checkpoints import (checkpoint, export_round_trip, our_cached_logits, reference_logits, token_ids,  # noqa: E402
                             transformers_cached_logits)
 
 pytestmark = pytest.mark.hf
@@ -139,14 +139,9 @@ def test_export_is_bitwise_and_loads_back_in_transformers(deepseek_v4, tmp_path)
     the same logits; reading it back gives the same parameters and tables."""
     import jax
     from flax import nnx
-    from safetensors.numpy import load_file
     model, path = deepseek_v4
-    ours = hf.load(path)
     out = str(tmp_path / "export")
-    hf.save(ours, out)
-    theirs = load_file(os.path.join(path, "model.safetensors"))
-    written = load_file(os.path.join(out, "model.safetensors"))
-    assert set(written) == set(theirs)
+    ours, theirs, written = export_round_trip(path, out)
     for name in theirs:
         assert written[name].dtype == theirs[name].dtype, name
         np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)

@@ -20,7 +20,7 @@ from jaxalign.model.rope_scaling import Yarn  # noqa: E402
 from jaxalign.numerics.lowbit import mxfp4_from_blocks, quantize_mxfp4  # noqa: E402
 
 from conftest import forward_logits  # noqa: E402
-from hf_checkpoints import (checkpoint, our_cached_logits, reference_logits, token_ids,  # noqa: E402
+from hf_checkpoints import (checkpoint, export_round_trip, our_cached_logits, reference_logits, token_ids,  # noqa: E402
                             transformers_cached_logits)
 
 pytestmark = pytest.mark.hf
@@ -141,14 +141,9 @@ def test_export_is_bitwise_and_loads_back_in_transformers(gpt_oss, tmp_path):
     """hf.save writes the checkpoint's own tensors bit for bit (interleaved gate/up, fused experts, router and
     sinks) and a config transformers reads to the same logits; reading it back gives the same parameters."""
     from flax import nnx
-    from safetensors.numpy import load_file
     model, path = gpt_oss
-    ours = hf.load(path)
     out = str(tmp_path / "export")
-    hf.save(ours, out)
-    theirs = load_file(os.path.join(path, "model.safetensors"))
-    written = load_file(os.path.join(out, "model.safetensors"))
-    assert set(written) == set(theirs)
+    ours, theirs, written = export_round_trip(path, out)
     for name in theirs:
         np.testing.assert_array_equal(written[name].view(np.uint32), theirs[name].view(np.uint32), err_msg=name)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

@@ -17,7 +17,7 @@ from jaxalign.metrics.mismatch import mismatch_metrics  # noqa: E402
 from jaxalign.interop import hf  # noqa: E402
 
 from conftest import build_model, forward_logits  # noqa: E402
-from hf_checkpoints import transformers_cached_logits  # noqa: E402
+from hf_checkpoints import export_round_trip, transformers_cached_logits  # noqa: E402
 
 pytestmark = pytest.mark.hf
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -645,14 +645,10 @@ def test_qwen3_next_fp32_parity_both_forms_and_cached_decode(qwen3_next):
 def test_qwen3_next_export_fuses_back_and_bad_fused_tensors_are_refused(qwen3_next, tmp_path):
     """hf.save writes the fused layout transformers loads (same logits, bitwise the tensors it saved); mtp.*
     tensors are left out with a warning; a fused projection of the wrong shape, or a missing one, is refused."""
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
     model, path = qwen3_next
-    ours = hf.load(path)
     out = str(tmp_path / "export")
-    hf.save(ours, out)
-    theirs = load_file(os.path.join(path, "model.safetensors"))
-    written = load_file(os.path.join(out, "model.safetensors"))
-    assert set(written) == set(theirs)
+    ours, theirs, written = export_round_trip(path, out)
     for name in theirs:
         np.testing.assert_array_equal(written[name], theirs[name].astype(np.float32), err_msg=name)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
