@@ -108,6 +108,16 @@ def test_aligned_arm_is_exactly_on_policy_and_misaligned_is_not(base, tmp_path):
     probe = Trainer(_model(base), _config(trainer_policy="train-bf16", engine_policy="serve-bf16"),
                     str(tmp_path / "probe"))
     assert probe.eval_engine.policy == NumericPolicy.parse("train-bf16")
+    # an engine handed in is the caller's: the trainer uses it and its close leaves it to the caller
+    from jaxalign.engines import LocalEngine
+    given = LocalEngine(_model(base), NumericPolicy.parse("serve-bf16"))
+    lent = Trainer(_model(base), _config(trainer_policy="train-bf16", engine_policy="serve-bf16"),
+                   str(tmp_path / "lent"), engine=given)
+    assert lent.engine is given
+    lent.close()
+    assert lent.rollouts.opened is given
+    probe.close()
+    assert probe.rollouts.opened is None  # the engine it opened itself, closed and dropped
     prompts = [probe.task.prompt(p) for p in probe.eval_items[:8]]
     greedy = [e.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0.0),
                          eos_id=tokenizer.EOS).logprobs

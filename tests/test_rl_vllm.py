@@ -174,30 +174,34 @@ def test_a_sigkilled_vllm_run_leaves_no_vllm_process_and_resumes_with_every_sync
 
 
 @pytest.mark.slow
-def test_a_sync_that_fails_its_verification_stops_the_run_with_the_difference(tmp_path):
-    """The trainer handed a vLLM engine that syncs in place (vLLM's reload_weights, which leaves MoE experts in the
-    wrong layout on the CPU: docs/vllm.md): the sync before batch 1 fails its verification, so the run stops with
-    the difference after one row of training, its checkpoint intact; the caller's engine stays open."""
+def test_a_sync_that_fails_its_verification_stops_the_command_with_the_difference(tmp_path):
+    """`experiment countdown --arm 'real=fp32/vllm:bf16,sync=inplace'`: vLLM synced in place (its reload_weights,
+    which leaves MoE experts in the wrong layout on the CPU: docs/vllm.md), so the sync before batch 1 fails its
+    verification; the command exits 1 with one line naming the method and the difference, after one row of
+    training, with its checkpoint intact, and leaves no vLLM process behind."""
     _need_vllm()
-    from flax import nnx
-    from jaxalign.engines.vllm import SyncMismatch, VllmEngine
-    from jaxalign.model.config import ModelConfig
-    from jaxalign.model.transformer import Transformer
-    from jaxalign.rl.grpo import GRPOConfig
-    from jaxalign.rl.trainer import RLConfig, Trainer
-    model = Transformer(ModelConfig.preset("countdown-vllm"), rngs=nnx.Rngs(0))
-    config = RLConfig(trainer_policy="fp32", engine_policy="vllm:bf16", steps=2, prompts_per_step=2,
-                      grpo=GRPOConfig(group_size=4), max_new_tokens=8, eval_every=2, eval_problems=4,
-                      checkpoint_every=1)
-    with VllmEngine(model, sync_method="inplace", max_num_seqs=8) as engine:
-        trainer = Trainer(model, config, str(tmp_path / "run"), engine=engine)
-        with pytest.raises(SyncMismatch, match="inplace sync") as err:
-            trainer.run(progress=False)
-        assert err.value.report["differing"] > 0 and err.value.report["max_abs_diff"] > 0
-        assert [r["step"] for r in _rows(tmp_path / "run")] == [0, 1]
-        assert trainer.checkpoints.latest_step() == 1
-        trainer.close()
-        assert engine.worker.alive()  # the trainer closes only the engines it opened
+    out = tmp_path / "exp"
+    command = [sys.executable, "-m", "jaxalign.cli", "experiment", "countdown", "--arm",
+               "real=fp32/vllm:bf16,sync=inplace", "--seeds", "0", "--out", str(out), "--steps", "2",
+               "--sft-steps", "0", "--sft-problems", "64", "--prompts-per-step", "2", "--group-size", "4",
+               "--eval-problems", "4", "--eval-every", "2"]
+    parent = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        _, err = parent.communicate(timeout=600)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert parent.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("jaxalign experiment: error: after a inplace sync vLLM scores the probe unlike a fresh "
+                           "load"), err[-3000:]
+    assert "the run stopped (its last checkpoint resumes it)" in last
+    run = out / "real" / "seed0"
+    assert [r["step"] for r in _rows(run)] == [0, 1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+    assert not _alive_in_sessions({parent.pid}), "a vLLM process outlived the stopped run"
 
 
 @pytest.mark.slow

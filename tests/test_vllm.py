@@ -115,6 +115,15 @@ def test_engine_specs_and_jaxaligns_engine_behind_the_interface(tiny_model):
     assert parse_engine("serve-bf16") == NumericPolicy.preset("serve-bf16")
     with pytest.raises(ValueError, match="allowed: bf16, fp16, fp32"):
         parse_engine("vllm:int3")
+    # the sync method: reload (default, not written) or inplace (vLLM's reload_weights, to show its fault caught)
+    assert parse_engine("vllm:bf16,sync=inplace") == VllmSpec("bf16", "inplace") == parse_engine("vllm,sync=inplace")
+    assert str(VllmSpec("fp32", "inplace")) == "vllm:fp32,sync=inplace" and parse_engine("vllm:bf16,sync=reload") \
+        == VllmSpec("bf16")
+    for bad, needle in (("vllm:bf16,sync=fast", "sync method 'fast'.*allowed: reload, inplace"),
+                        ("vllm:bf16,kv=fp8", "option 'kv=fp8'.*allowed: sync=METHOD"),
+                        ("vllm:bf16,sync", "option 'sync'")):
+        with pytest.raises(ValueError, match=needle):
+            parse_engine(bad)
     policy = NumericPolicy.preset("serve-bf16")
     local = open_engine("serve-bf16", tiny_model)
     assert isinstance(local, LocalEngine) and isinstance(local, RolloutEngine)

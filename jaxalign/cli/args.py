@@ -125,10 +125,10 @@ def add_policy_args(p: argparse.ArgumentParser, *, trainer: str, engine: str, tr
     for option, default, what in (("--trainer", trainer, trainer_help), ("--engine", engine, engine_help)):
         external = external_engine and option == "--engine"
         p.add_argument(option, type=engine_arg if external else policy_arg, default=default,
-                       metavar="POLICY|vllm[:DTYPE]" if external else "POLICY",
+                       metavar="POLICY|vllm[:DTYPE][,sync=METHOD]" if external else "POLICY",
                        help=f"{what}: a preset or a policy string, e.g. {default},kernel=tiled:8 (see jaxalign "
-                            "policies)" + ("; or vllm[:DTYPE] (DTYPE bf16, fp16, fp32): vLLM run as a separate "
-                                           "process (docs/vllm.md)" if external else ""))
+                            "policies)" + ("; or vllm[:DTYPE][,sync=reload|inplace] (DTYPE bf16, fp16, fp32): vLLM "
+                                           "run as a separate process (docs/vllm.md)" if external else ""))
 
 
 def engine_arg(text: str):

@@ -1,6 +1,6 @@
 """Rollout engines behind one interface (`base.RolloutEngine`): jaxalign's own (`local.LocalEngine`) and vLLM run
 as a separate process (`vllm.VllmEngine`). `open_engine(spec, model)` builds one from what `--engine` takes: a
-jaxalign policy string, or `vllm[:DTYPE]`."""
+jaxalign policy string, or `vllm[:DTYPE][,sync=METHOD]`."""
 
 from __future__ import annotations
 
@@ -13,22 +13,36 @@ from jaxalign.numerics import NumericPolicy
 
 @dataclasses.dataclass(frozen=True)
 class VllmSpec:
-    """`vllm[:DTYPE]` as `--engine` takes it: vLLM in its own process, computing in DTYPE (bf16 default)."""
+    """`vllm[:DTYPE][,sync=METHOD]` as `--engine` takes it: vLLM in its own process, computing in DTYPE (bf16
+    default), synced to the trainer's weights by METHOD: `reload` (default: a fresh load of the exported files) or
+    `inplace` (vLLM's own `reload_weights`, which leaves MoE experts wrong on the CPU; docs/vllm.md -- there to
+    show that every sync's verification catches it)."""
 
     dtype: str = "bf16"
+    sync: str = "reload"
 
     def __str__(self) -> str:
-        return f"vllm:{self.dtype}"
+        return f"vllm:{self.dtype}" + ("" if self.sync == "reload" else f",sync={self.sync}")
 
 
 def parse_engine(text: str) -> NumericPolicy | VllmSpec:
-    """An engine spec: `vllm` or `vllm:DTYPE` (DTYPE bf16, fp16, fp32) -> VllmSpec; anything else is a jaxalign
-    policy string -> NumericPolicy. ValueError naming what is allowed."""
-    if text == "vllm" or text.startswith("vllm:"):
-        dtype = text.partition(":")[2] or "bf16"
-        from jaxalign.engines.vllm.engine import parse_dtype
+    """An engine spec: `vllm[:DTYPE][,sync=METHOD]` (DTYPE bf16, fp16, fp32; METHOD reload, inplace) -> VllmSpec;
+    anything else is a jaxalign policy string -> NumericPolicy. ValueError naming what is allowed."""
+    if text == "vllm" or text.startswith(("vllm:", "vllm,")):
+        from jaxalign.engines.vllm.engine import SYNC_METHODS, parse_dtype
+        head, *options = text.split(",")
+        dtype = head.partition(":")[2] or "bf16"
         parse_dtype(dtype)
-        return VllmSpec(dtype)
+        sync = "reload"
+        for option in options:
+            key, eq, value = option.partition("=")
+            if key != "sync" or not eq:
+                raise ValueError(f"vLLM engine option {option!r} in {text!r}; allowed: sync=METHOD "
+                                 f"(METHOD one of {', '.join(SYNC_METHODS)})")
+            if value not in SYNC_METHODS:
+                raise ValueError(f"vLLM sync method {value!r} in {text!r}; allowed: {', '.join(SYNC_METHODS)}")
+            sync = value
+        return VllmSpec(dtype, sync)
     return NumericPolicy.parse(text)
 
 
@@ -42,11 +56,12 @@ def coerce_engine(value: "NumericPolicy | VllmSpec | str", *, label: str = "engi
             return parse_engine(value)
         except ValueError as err:
             raise ValueError(f"{label}: {err}") from None
-    raise ValueError(f"{label} must be a NumericPolicy, a policy string or vllm[:DTYPE], got {type(value).__name__}")
+    raise ValueError(f"{label} must be a NumericPolicy, a policy string or vllm[:DTYPE][,sync=METHOD], "
+                     f"got {type(value).__name__}")
 
 
 def engine_text(spec: NumericPolicy | VllmSpec) -> str:
-    """An engine spec as text that `parse_engine` reads back: a policy's compact form, or `vllm:DTYPE`."""
+    """An engine spec as text that `parse_engine` reads back: a policy's compact form, or `vllm:DTYPE[,sync=METHOD]`."""
     return spec.compact() if isinstance(spec, NumericPolicy) else str(spec)
 
 
@@ -58,7 +73,7 @@ def open_engine(spec: NumericPolicy | VllmSpec | str, model, **kw) -> RolloutEng
         spec = parse_engine(spec)
     if isinstance(spec, VllmSpec):
         from jaxalign.engines.vllm import VllmEngine
-        return VllmEngine(model, dtype=spec.dtype, **kw)
+        return VllmEngine(model, dtype=spec.dtype, **{"sync_method": spec.sync, **kw})
     return LocalEngine(model, spec, **kw)
 
 
