@@ -80,3 +80,19 @@ def test_engine_with_fewer_sinkhorn_iterations_drifts_from_the_trainer():
     assert ALIGNED.diff(engine) == [("sinkhorn_iters", "model", "2")]
     run = compare(model, ALIGNED, engine, n_prompts=4, max_new_tokens=8, engine_batches=(4,))["runs"][0]
     assert run["max_abs_logp_diff"] > 0.0 and run["bitwise_equal_fraction"] < 1.0, run
+
+
+def test_check_probes_the_compressors_and_the_indexer_and_aligned_is_batch_invariant():
+    """`jaxalign check`'s kernels for the DeepSeek-V4 kinds: the attention over the shared key = value head, both
+    compressors' pooling and the CSA indexer (scores and selection) keep a row's bits in any batch under
+    aligned-bf16; fp32's indexer scores (a plain einsum) do not, so the probe can tell."""
+    from jaxalign.check import _kernels, probe
+    from jaxalign.model.config import ModelConfig
+    cfg = ModelConfig.preset("tiny-deepseek-v4")
+    kernels = ("dsv4_attention", "dsv4_csa_compressor", "dsv4_hca_compressor", "dsv4_index")
+    assert set(kernels) <= set(_kernels(cfg, ALIGNED))
+    for kernel in kernels:
+        result = probe(cfg, ALIGNED, kernel, batches=(1, 3, 8))
+        assert result["bitwise_invariant"] and result["max_abs_diff"] == 0.0, result
+    loose = probe(cfg, NumericPolicy.preset("fp32"), "dsv4_index", batches=(1, 3, 8, 13, 32))
+    assert not loose["bitwise_invariant"] and 0.0 < loose["max_abs_diff"] < 1e-5, loose

@@ -13,6 +13,7 @@ up to whole windows. All in the KV-cache dtype. Resetting a row zeros it (the de
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxalign.model.kinds.base import LayerKind, hf_linear
 from jaxalign.numerics import dtype
@@ -62,6 +63,20 @@ class DeepseekV4Kind(LayerKind):
             width = 2 * v4.index_dim
             state["indexer"] = {"kv": jnp.zeros((batch, m, width), dt), "gate": jnp.zeros((batch, m, width), dt)}
         return state
+
+    def probes(self, cfg, policy, rng, q_len: int, k_len: int) -> dict:
+        """`jaxalign check`'s kernels as this kind calls them: `dsv4_attention` (every kind: the queries over one
+        shared key = value head, the window's raw keys visible, a learned sink per head), and on CSA / HCA layers
+        the compressor's pooling (`dsv4_csa_compressor` / `dsv4_hca_compressor`: per-token projections rounded
+        to the KV-cache dtype -> softmax-gated sums over each window, RMSNorm, RoPE), and on CSA layers the
+        indexer (`dsv4_index`: its scores and the entries it selects, as 0/1 after the scores)."""
+        found = {"dsv4_attention": _attention_probe(cfg, policy, rng, q_len, k_len)}
+        if self.compression != "none":
+            found[f"dsv4_{self.compression}_compressor"] = _compressor_probe(cfg, policy, self.rate(cfg),
+                                                                            self.compression == "csa", k_len)
+        if self.compression == "csa":
+            found["dsv4_index"] = _index_probe(cfg, policy, q_len, k_len)
+        return found
 
     # --- weights -----------------------------------------------------------------------------------------------
     def hf_params(self, cfg, take, prefix: str) -> dict:
@@ -119,6 +134,77 @@ def _compressor(take, prefix: str, d: int, dim: int, rate: int, overlap: bool) -
 def _compressor_tensors(params: dict, prefix: str) -> dict:
     return {prefix + "kv_proj.weight": params["kv_proj"]["w"].T, prefix + "gate_proj.weight": params["gate_proj"]["w"].T,
             prefix + "position_bias": params["position_bias"], prefix + "kv_norm.weight": params["kv_norm"]["scale"]}
+
+
+def _attention_probe(cfg, policy, rng, q_len: int, k_len: int) -> tuple:
+    """(make, fn): rows of queries [q_len, H, Dh] and shared keys [k_len, Dh]; the last `window` positions visible
+    to each query (entries' slots are the same kernel with other masks), sinks drawn once for every row."""
+    from jaxalign.numerics import as_param, cast
+    from jaxalign.numerics.attention import attention
+    from jaxalign.numerics.dtypes import as_compute
+    from jaxalign.model.kinds.base import random_rows, split_rows
+    h, dh, window = cfg.n_heads, cfg.head_dim, cfg.deepseek_v4.window
+    sinks = jnp.asarray(rng.normal(0, 1, (h,)), jnp.float32)
+    q_pos = jnp.arange(k_len - q_len, k_len, dtype=jnp.int32)[None]
+    k_pos = jnp.arange(k_len, dtype=jnp.int32)[None]
+    shapes = ((q_len, h, dh), (k_len, dh))
+
+    def attn(x):
+        b = x.shape[0]
+        q, keys = split_rows(x, shapes)
+        keys = cast(keys, policy.kv_cache_dtype)
+        allowed = jnp.broadcast_to(k_pos[:, None, :] > q_pos[:, :, None] - window, (b, q_len, k_len))
+        return attention(as_compute(q, policy), jnp.transpose(keys, (0, 2, 1))[:, None], keys[:, None],
+                         jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy, allowed=allowed,
+                         sinks=as_param(sinks, policy))
+
+    return random_rows(sum(int(np.prod(s)) for s in shapes)), attn
+
+
+def _compressor_probe(cfg, policy, rate: int, overlap: bool, k_len: int) -> tuple:
+    """(make, fn): rows of per-token (kv, gate) projections over `k_len` positions rounded up to whole windows,
+    pooled by a `Compressor` built once (its position bias and norm shared by every row)."""
+    from flax import nnx
+
+    from jaxalign.model.dsv4_compress import Compressor, padded_len
+    from jaxalign.model.kinds.base import random_rows, split_rows
+    from jaxalign.numerics import cast
+    compressor = Compressor(cfg, cfg.head_dim, rate, overlap, rngs=nnx.Rngs(0))
+    n = padded_len(k_len, rate)
+    shapes = ((n, compressor.width), (n, compressor.width))
+
+    def pool(x):
+        kv, gate = split_rows(x, shapes)
+        return compressor.pool(cast(kv, policy.kv_cache_dtype), cast(gate, policy.kv_cache_dtype), policy)
+
+    return random_rows(2 * n * compressor.width), pool
+
+
+def _index_probe(cfg, policy, q_len: int, k_len: int) -> tuple:
+    """(make, fn): rows of indexer queries [q_len, H_I, D_I], entries [T, D_I] (T = the windows in `k_len`) and
+    head weights [q_len, H_I]; the visible entries' scores (0 for the others), then which entries the top-k keeps
+    (1.0) or not (0.0)."""
+    from jaxalign.model.dsv4_compress import entry_positions, padded_len
+    from jaxalign.model.kinds.base import random_rows, split_rows
+    from jaxalign.numerics import cast
+    from jaxalign.numerics.dtypes import as_compute
+    from jaxalign.numerics.indexer import index_scores, select_keys
+    v4 = cfg.deepseek_v4
+    t = padded_len(k_len, v4.csa_rate) // v4.csa_rate
+    q_pos = jnp.arange(k_len - q_len, k_len, dtype=jnp.int32)[None]
+    shapes = ((q_len, v4.index_heads, v4.index_dim), (t, v4.index_dim), (q_len, v4.index_heads))
+
+    def index(x):
+        b = x.shape[0]
+        q, entries, weights = split_rows(x, shapes)
+        e_pos = entry_positions(t, v4.csa_rate, b)
+        scores = index_scores(as_compute(q, policy), cast(entries, policy.kv_cache_dtype), weights,
+                              jnp.repeat(q_pos, b, 0), e_pos, policy)
+        allowed = select_keys(scores, e_pos, v4.index_topk, policy.index_ties)[1]
+        visible = jnp.where(jnp.isfinite(scores), scores, 0.0)  # -inf (not visible yet) would make diffs NaN
+        return jnp.concatenate([visible, allowed.astype(jnp.float32)], axis=-1)
+
+    return random_rows(sum(int(np.prod(s)) for s in shapes)), index
 
 
 class DeepseekV4CSAKind(DeepseekV4Kind):
