@@ -21,6 +21,12 @@ class VllmSpec:
     dtype: str = "bf16"
     sync: str = "reload"
 
+    def __post_init__(self):
+        from jaxalign.engines.vllm.engine import SYNC_METHODS, parse_dtype
+        parse_dtype(self.dtype)
+        if self.sync not in SYNC_METHODS:
+            raise ValueError(f"vLLM sync method {self.sync!r}; allowed: {', '.join(SYNC_METHODS)}")
+
     def __str__(self) -> str:
         return f"vllm:{self.dtype}" + ("" if self.sync == "reload" else f",sync={self.sync}")
 
@@ -29,20 +35,19 @@ def parse_engine(text: str) -> NumericPolicy | VllmSpec:
     """An engine spec: `vllm[:DTYPE][,sync=METHOD]` (DTYPE bf16, fp16, fp32; METHOD reload, inplace) -> VllmSpec;
     anything else is a jaxalign policy string -> NumericPolicy. ValueError naming what is allowed."""
     if text == "vllm" or text.startswith(("vllm:", "vllm,")):
-        from jaxalign.engines.vllm.engine import SYNC_METHODS, parse_dtype
+        from jaxalign.engines.vllm.engine import SYNC_METHODS
         head, *options = text.split(",")
-        dtype = head.partition(":")[2] or "bf16"
-        parse_dtype(dtype)
         sync = "reload"
         for option in options:
             key, eq, value = option.partition("=")
             if key != "sync" or not eq:
                 raise ValueError(f"vLLM engine option {option!r} in {text!r}; allowed: sync=METHOD "
                                  f"(METHOD one of {', '.join(SYNC_METHODS)})")
-            if value not in SYNC_METHODS:
-                raise ValueError(f"vLLM sync method {value!r} in {text!r}; allowed: {', '.join(SYNC_METHODS)}")
             sync = value
-        return VllmSpec(dtype, sync)
+        try:
+            return VllmSpec(head.partition(":")[2] or "bf16", sync)
+        except ValueError as err:
+            raise ValueError(f"{err} (in {text!r})") from None
     return NumericPolicy.parse(text)
 
 
