@@ -113,6 +113,11 @@ def split_rows(x: jax.Array, shapes: tuple[tuple[int, ...], ...]) -> list[jax.Ar
     return [piece.reshape(x.shape[0], *shape) for piece, shape in zip(pieces, shapes)]
 
 
+def rows_width(shapes: tuple[tuple[int, ...], ...]) -> int:
+    """The width of a probe row holding one operand of each shape (what `split_rows` cuts it back into)."""
+    return sum(int(np.prod(shape)) for shape in shapes)
+
+
 def random_rows(n: int) -> Callable:
     """make(b, seed) for a probe: [b, n] standard normal float32 rows."""
     return lambda b, seed: jnp.asarray(np.random.default_rng(seed).normal(0, 1, (b, n)), jnp.float32)

@@ -13,7 +13,6 @@ up to whole windows. All in the KV-cache dtype. Resetting a row zeros it (the de
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from jaxalign.model.kinds.base import LayerKind, hf_linear
 from jaxalign.numerics import dtype
@@ -142,7 +141,7 @@ def _attention_probe(cfg, policy, rng, q_len: int, k_len: int) -> tuple:
     from jaxalign.numerics import as_param, cast
     from jaxalign.numerics.attention import attention
     from jaxalign.numerics.dtypes import as_compute
-    from jaxalign.model.kinds.base import random_rows, split_rows
+    from jaxalign.model.kinds.base import random_rows, rows_width, split_rows
     h, dh, window = cfg.n_heads, cfg.head_dim, cfg.deepseek_v4.window
     sinks = jnp.asarray(rng.normal(0, 1, (h,)), jnp.float32)
     q_pos = jnp.arange(k_len - q_len, k_len, dtype=jnp.int32)[None]
@@ -158,7 +157,7 @@ def _attention_probe(cfg, policy, rng, q_len: int, k_len: int) -> tuple:
                          jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy, allowed=allowed,
                          sinks=as_param(sinks, policy))
 
-    return random_rows(sum(int(np.prod(s)) for s in shapes)), attn
+    return random_rows(rows_width(shapes)), attn
 
 
 def _compressor_probe(cfg, policy, rate: int, overlap: bool, k_len: int) -> tuple:
@@ -167,7 +166,7 @@ def _compressor_probe(cfg, policy, rate: int, overlap: bool, k_len: int) -> tupl
     from flax import nnx
 
     from jaxalign.model.dsv4_compress import Compressor, padded_len
-    from jaxalign.model.kinds.base import random_rows, split_rows
+    from jaxalign.model.kinds.base import random_rows, rows_width, split_rows
     from jaxalign.numerics import cast
     compressor = Compressor(cfg, cfg.head_dim, rate, overlap, rngs=nnx.Rngs(0))
     n = padded_len(k_len, rate)
@@ -177,7 +176,7 @@ def _compressor_probe(cfg, policy, rate: int, overlap: bool, k_len: int) -> tupl
         kv, gate = split_rows(x, shapes)
         return compressor.pool(cast(kv, policy.kv_cache_dtype), cast(gate, policy.kv_cache_dtype), policy)
 
-    return random_rows(2 * n * compressor.width), pool
+    return random_rows(rows_width(shapes)), pool
 
 
 def _index_probe(cfg, policy, q_len: int, k_len: int) -> tuple:
@@ -185,7 +184,7 @@ def _index_probe(cfg, policy, q_len: int, k_len: int) -> tuple:
     head weights [q_len, H_I]; the visible entries' scores (0 for the others), then which entries the top-k keeps
     (1.0) or not (0.0)."""
     from jaxalign.model.dsv4_compress import entry_positions, padded_len
-    from jaxalign.model.kinds.base import random_rows, split_rows
+    from jaxalign.model.kinds.base import random_rows, rows_width, split_rows
     from jaxalign.numerics import cast
     from jaxalign.numerics.dtypes import as_compute
     from jaxalign.numerics.indexer import index_scores, select_keys
@@ -204,7 +203,7 @@ def _index_probe(cfg, policy, q_len: int, k_len: int) -> tuple:
         visible = jnp.where(jnp.isfinite(scores), scores, 0.0)  # -inf (not visible yet) would make diffs NaN
         return jnp.concatenate([visible, allowed.astype(jnp.float32)], axis=-1)
 
-    return random_rows(sum(int(np.prod(s)) for s in shapes)), index
+    return random_rows(rows_width(shapes)), index
 
 
 class DeepseekV4CSAKind(DeepseekV4Kind):

@@ -5,9 +5,8 @@ the expanded (trainer) or absorbed (engine) form."""
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
-from jaxalign.model.kinds.base import LayerKind, hf_field, hf_linear, random_rows, split_rows
+from jaxalign.model.kinds.base import LayerKind, hf_field, hf_linear, random_rows, rows_width, split_rows
 from jaxalign.numerics import dtype
 
 MLA_FIELDS = ("attention_kind", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -169,18 +168,14 @@ class MLA(LayerKind):
                                  jnp.repeat(q_pos, b, 0), jnp.repeat(k_pos, b, 0), policy, nope_dim=nope,
                                  v_dim=cfg.v_head_dim, allowed=allowed)
 
-        found = {"mla_attention": (random_rows(_width(attn_shapes) + (_width(index_shapes) if indexed else 0)),
+        found = {"mla_attention": (random_rows(rows_width(attn_shapes) + (rows_width(index_shapes) if indexed else 0)),
                                    attn)}
         if indexed:
             def scores(x):
                 s = scores_of(*split_rows(x, index_shapes), x.shape[0])
                 return jnp.where(jnp.isfinite(s), s, 0.0)  # invisible keys (-inf) compare as 0
-            found["index_scores"] = (random_rows(_width(index_shapes)), scores)
+            found["index_scores"] = (random_rows(rows_width(index_shapes)), scores)
         return found
-
-
-def _width(shapes) -> int:
-    return sum(int(np.prod(shape)) for shape in shapes)
 
 
 class DSA(MLA):
