@@ -38,6 +38,22 @@ def test_tiled_matmul_is_batch_and_position_invariant(policy):
         np.testing.assert_array_equal(rows, expected, err_msg=f"batch {batch}")
 
 
+@pytest.mark.bitwise
+def test_tiled_matmul_of_a_transposed_weight_is_batch_invariant():
+    """A weight stored [N, K] and multiplied as `w.T` (DeepSeek-V4's hyper-connection `fn`): at one tile (8 rows or
+    fewer, an engine's decode step) XLA folded the transpose into the dot, YNNPACK's [M, K] x [N, K]^T kernel, while
+    more tiles read a transposed copy, [M, K] x [K, N]: for float32 operands at K=64, N=8 other bits. The
+    product now sees its operands as computed (`matmul.as_computed`)."""
+    policy = NumericPolicy.parse("fp32,kernel=tiled:8")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    w_t = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+    f = jax.jit(lambda a, w_t: matmul(a, w_t.T, policy, out_dtype="f32"))
+    alone = np.stack([np.asarray(f(x[i:i + 1], w_t))[0] for i in range(32)])
+    for batch in (8, 9, 16, 32):
+        np.testing.assert_array_equal(np.asarray(f(x[:batch], w_t)), alone[:batch], err_msg=f"batch {batch}")
+
+
 def test_xla_matmul_is_not_batch_invariant_on_this_cpu():
     """Documents the problem the tiled kernel solves: XLA:CPU's dot gives other bits for the same row when it
     is multiplied together with other rows."""

@@ -47,8 +47,8 @@ from jaxalign.numerics import lowbit, precision
 from jaxalign.numerics import scales as scales_lib
 from jaxalign.numerics.collectives import gather_axes, local_reduce
 from jaxalign.numerics.kernels import select_matmul
-from jaxalign.numerics.matmul import (_ends_passed, _to_tiles, expert_matmul, grouped_matmul, matmul, row_tiles,
-                                      tile_layout)
+from jaxalign.numerics.matmul import (_ends_passed, _to_tiles, as_computed, expert_matmul, grouped_matmul, matmul,
+                                      row_tiles, tile_layout)
 from jaxalign.numerics.platforms import platform
 from jaxalign.numerics.policy import NumericPolicy
 from jaxalign.numerics.reduce import uncontracted
@@ -234,6 +234,8 @@ def _linear_block(x2d: jax.Array, w, policy: NumericPolicy) -> jax.Array:
     if impl.kind == "pallas":
         dot = lambda a, b: matmul(a, b, policy, operand_dtype=policy.compute_dtype, out_dtype="f32")  # noqa: E731
         return _block_sum(x2d, values, scales, policy, dot, columns)
+    if impl.kind == "lax-tiled":
+        x2d, values, scales = as_computed(x2d, values, scales)
     product = lambda rows: _block_sum(rows, values, scales, policy, _f32_dot(policy), columns)  # noqa: E731
     return row_tiles(x2d, product, impl.tile if impl.kind == "lax-tiled" else None)
 

@@ -60,11 +60,25 @@ def _rows(x2d: jax.Array, w: jax.Array, policy: NumericPolicy) -> jax.Array:
     probe = functools.partial(invariance.evidence, k, n, x2d.dtype, w.dtype, _dot_key(policy),
                               lambda weight: lambda rows: _dot(rows, weight, policy), platform())
     impl = select_matmul(policy, k, n, x2d.dtype, platform(), probe=probe)
+    if impl.kind in ("lax-tiled", "xla-bucketed"):
+        x2d, w = as_computed(x2d, w)
     if impl.kind == "pallas":
         return pallas_matmul(x2d, w, impl.blocks, impl.platform)
     if impl.kind == "xla-bucketed":
         return bucketed_rows(x2d, lambda t: _dot(t, w, policy))
     return row_tiles(x2d, lambda t: _dot(t, w, policy), impl.tile if impl.kind == "lax-tiled" else None)
+
+
+def as_computed(*operands):
+    """The operands of a row-invariant product as their producers computed them (an optimization barrier).
+
+    XLA folds a transpose it can see into the dot's dimension numbers, which runs another kernel with other bits
+    (YNNPACK's [M, K] x [N, K]^T against [M, K] x [K, N]). It can see it only where the tiles' loop is gone: one
+    tile, e.g. an engine's decode step at batch <= T, while the trainer's and the prefill's many tiles read a
+    transposed copy made outside their loop. DeepSeek-V4's `fn.T` (hyper.py) gave the decode step's mixing
+    weights other float32 bits than the trainer's, so an aligned engine left the trainer where a bf16 rounding
+    sat on a tie (tests/test_deepseek_v4_engine.py)."""
+    return lax.optimization_barrier(operands)
 
 
 def _dot_key(policy: NumericPolicy) -> str:
