@@ -33,6 +33,7 @@ from jaxalign.align.audit import PROGRAMS, audit, lower_programs
 from jaxalign.loading import load_model  # noqa: F401  (moved to jaxalign.loading; importable here as before)
 from jaxalign.model import kinds
 from jaxalign.model.kinds.base import random_rows
+from jaxalign.model.routing import index_layers
 from jaxalign.model.transformer import Transformer
 from jaxalign.numerics import NumericPolicy, fp8, kernels as kernel_choice, lowbit
 from jaxalign.numerics.matmul import matmul
@@ -221,7 +222,7 @@ def run_check(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy,
             "replay": replay,
             "thresholds": {"gap": "bitwise" if aligned else
                            f"k3_kl <= {max_k3} and route_flip_rate <= {max_route_flips}"
-                           + (f" and index_flip_rate <= {max_index_flips}" if cfg.index_topk else ""),
+                           + (f" and index_flip_rate <= {max_index_flips}" if index_layers(cfg) else ""),
                            "probes": "bitwise for a batch-invariant policy, else reported only",
                            "audit": "no product with its precision or accumulation left to the backend"},
             "kernels": {side: sorted(found) for side, found in used.items()},

@@ -9,8 +9,8 @@ Expert replay:
   the trainer's own router scores.
 - `r3w`: the engine's experts and its combine weights, used as constants (no gradient reaches the router through
   the weights).
-DSA index replay (models with an indexer): `index` alone, or `r3+index` / `r3w+index`: the trainer's sparse
-attention reads the keys the engine's indexer selected.
+Index replay (models with an indexer: DSA, DeepSeek-V4's CSA layers): `index` alone, or `r3+index` /
+`r3w+index`: the trainer's sparse attention reads the keys (CSA: compressed entries) the engine's indexer selected.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def check_replay(replay: str, allowed: tuple[str, ...] = REPLAY_MODES, *, label:
 
 
 def replay_parts(mode: str) -> tuple[str, bool]:
-    """Split a replay mode into (expert replay: none | r2 | r3 | r3w, whether DSA index selections are replayed)."""
+    """Split a replay mode into (expert replay: none | r2 | r3 | r3w, whether indexer selections are replayed)."""
     check_replay(mode)
     if mode == "index":
         return "none", True

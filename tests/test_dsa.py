@@ -25,10 +25,10 @@ def test_index_flip_metrics_count_missing_keys_per_layer():
 
 def test_index_replay_input_is_checked():
     tokens = np.zeros((1, 4), np.int32)
-    with pytest.raises(ValueError, match=r"expected \(1, 4, 3, 6\) = \[batch, seq, layers, index_topk\]"):
+    with pytest.raises(ValueError, match=r"expected \(1, 4, 3, 6\) = \[batch, seq, index_layers, index_topk\]"):
         ja.token_logprobs(build_model("tiny-glm5"), tokens, ja.NumericPolicy.preset("fp32"),
                           index_replay=np.zeros((1, 4, 3, 5), np.int32))
-    with pytest.raises(ValueError, match="no DSA indexer"):
+    with pytest.raises(ValueError, match="has no indexer"):
         ja.token_logprobs(build_model("tiny-deepseek-v3"), tokens, ja.NumericPolicy.preset("fp32"),
                           index_replay=np.zeros((1, 4, 3, 6), np.int32))
 

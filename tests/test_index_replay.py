@@ -89,7 +89,7 @@ def test_index_records_round_trip_and_bad_records_are_refused(glm5, glm5_rollout
     rec = rollout.routing
     narrow = ja.RoutingRecord(rec.indices, rec.weights, rec.margins, rec.index_positions[..., :4],
                               rec.index_margins)
-    with pytest.raises(ValueError, match=r"\[batch, seq, layers, index_topk\]"):
+    with pytest.raises(ValueError, match=r"\[batch, seq, index_layers, index_topk\]"):
         save_record(narrow, tmp_path / "narrow.safetensors", config=glm5.config)
     future = rec.index_positions.copy()
     future[0, 2, 0, 0] = 5  # query 2 cannot attend to key 5
@@ -101,7 +101,7 @@ def test_index_records_round_trip_and_bad_records_are_refused(glm5, glm5_rollout
               metadata={"format": FORMAT_V1})
     with pytest.raises(ValueError, match="index records are 'jaxalign-routing-v2'"):
         load_record(tmp_path / "v1.safetensors", config=glm5.config)
-    with pytest.raises(ValueError, match="no DSA indexer"):
+    with pytest.raises(ValueError, match="has no indexer"):
         compare(dense, ALIGNED, ALIGNED, replay="r3+index", n_prompts=2, max_new_tokens=2)
 
 

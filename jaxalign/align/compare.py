@@ -9,6 +9,7 @@ from jaxalign.metrics.mismatch import mismatch_metrics
 from jaxalign.metrics.routing import routing_metrics
 from jaxalign.metrics.staleness import split_metrics
 from jaxalign.engine import Engine, Rollout
+from jaxalign.model.routing import index_layers
 from jaxalign.model.scoring import token_logprobs
 from jaxalign.model.sharding import mesh_description
 from jaxalign.model.transformer import Transformer
@@ -19,12 +20,12 @@ from jaxalign.replay_modes import REPLAY_MODES, replay_parts
 def engine_replay(rollout: Rollout, mode: str, native_indices=None) -> dict:
     """The trainer-side replay inputs of `mode` for a rollout's tokens, as `token_logprobs` keywords: `replay`
     (r3/r3w: the engine's experts; r2: `native_indices`, a trainer pass's own), `replay_weights` (r3w: the
-    engine's combine weights) and `index_replay` (+index: the engine's DSA selections)."""
+    engine's combine weights) and `index_replay` (+index: the engine's indexer selections, DSA's or CSA's)."""
     expert, with_index = replay_parts(mode)
     routing = rollout.routing
     if with_index and routing.index_positions is None:
-        raise ValueError(f"replay = {mode!r} replays DSA index selections, but this rollout has none (the model "
-                         f"has no DSA indexer); allowed here: {', '.join(m for m in REPLAY_MODES if 'index' not in m)}")
+        raise ValueError(f"replay = {mode!r} replays indexer selections, but this rollout has none (the model "
+                         f"has no indexer: DSA or DeepSeek-V4's CSA); allowed here: {', '.join(m for m in REPLAY_MODES if 'index' not in m)}")
     experts = {"none": None, "r2": native_indices, "r3": routing.indices, "r3w": routing.indices}[expert]
     return {"replay": None if experts is None else np.asarray(experts),
             "replay_weights": np.asarray(routing.weights) if expert == "r3w" else None,
@@ -83,9 +84,10 @@ def compare(model: Transformer, trainer: NumericPolicy, engine: NumericPolicy, *
     engine at the behaviour weights, `staleness/...` = trainer at the current vs the behaviour weights)."""
     if behaviour_model is not None and behaviour_model.config != model.config:
         raise ValueError("behaviour_model must be older weights of the same model (another ModelConfig was given)")
-    if replay_parts(replay)[1] and not model.config.index_topk:
-        raise ValueError(f"replay = {replay!r} replays DSA index selections, but this model has no DSA indexer "
-                         f"(index_topk = 0); allowed here: {', '.join(m for m in REPLAY_MODES if 'index' not in m)}")
+    if replay_parts(replay)[1] and not index_layers(model.config):
+        raise ValueError(f"replay = {replay!r} replays indexer selections, but this model has no indexer (DSA or "
+                         f"DeepSeek-V4's CSA); allowed here: "
+                         f"{', '.join(m for m in REPLAY_MODES if 'index' not in m)}")
     prompts = random_prompts(model.config.vocab_size, n_prompts, seed,
                              max_len=min(16, model.config.max_seq_len - max_new_tokens))
     eng = Engine(model if behaviour_model is None else behaviour_model, engine, mesh=engine_mesh)

@@ -11,7 +11,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxalign.files import open_safetensors
-from jaxalign.model.routing import RoutingRecord, check_expert_indices
+from jaxalign.model.routing import RoutingRecord, check_expert_indices, index_layers, index_topk
 
 __all__ = ["FORMAT", "FORMATS", "RoutingRecord", "empty_record", "from_slime", "from_verl", "load_record",
            "save_record", "to_slime", "validate_indices"]
@@ -49,8 +49,8 @@ def save_record(record: RoutingRecord, path, *, config, policy: str = "", source
             "moe_layers": str(config.n_moe_layers), "policy": str(policy), "source": source}
     if record.index_positions is not None:
         tensors.update(index_positions=record.index_positions, index_margins=record.index_margins)
-        meta.update(format=FORMAT, index_layout="batch,seq,layers,index_topk", index_topk=str(config.index_topk),
-                    index_layers=str(config.n_layers))
+        meta.update(format=FORMAT, index_layout="batch,seq,layers,index_topk", index_topk=str(index_topk(config)),
+                    index_layers=str(len(index_layers(config))))
     path = os.fspath(path)
     tmp = path + ".tmp"
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=meta)
@@ -60,7 +60,7 @@ def save_record(record: RoutingRecord, path, *, config, policy: str = "", source
 def load_record(path, *, config, check_fingerprint: bool = True) -> tuple[RoutingRecord, dict]:
     """Read a record written by `save_record` (or by another stack following docs/router-replay.md) and check
     it fits `config`. `weights`/`margins`/`index_margins` are optional in the file; `index_positions` needs
-    format v2 and a DSA model. Returns (record, metadata)."""
+    format v2 and a model with an indexer (DSA, DeepSeek-V4's CSA layers). Returns (record, metadata)."""
     with open_safetensors(str(path)) as f:
         meta = dict(f.metadata() or {})
         names = set(f.keys())

@@ -112,7 +112,7 @@ def add_parser(sub) -> None:
     add_model_args(p, default=COMMAND_MODEL)
     add_policy_args(p, **GAP_PAIR, external_engine=True)
     add_replay_arg(p, func=compare, help="router replay mode (r3w: the engine's experts and combine weights; "
-                                         "+index: the engine's DSA index selections)")
+                                         "+index: the engine's indexer selections, DSA or CSA)")
     add_generation_args(p, func=compare)
     p.add_argument("--engine-batch", type=int_list, default=list(param_default(compare, "engine_batches")),
                    help="engine batch sizes, comma-separated, e.g. 1,8,32: one run each")

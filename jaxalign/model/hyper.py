@@ -148,10 +148,10 @@ class HyperBlock(nnx.Module):
         attn_policy, mlp_policy = policy_for(policy, "attn", layer), policy_for(policy, "mlp", layer)
         x = as_compute(x, attn_policy)
         post, comb, collapsed = self.attn_hc(x, attn_policy)
-        h, kv, _ = self.attn(self.attn_norm(collapsed, attn_policy), positions, attn_policy, kv,
+        h, kv, selection = self.attn(self.attn_norm(collapsed, attn_policy), positions, attn_policy, kv,
                                      valid=valid, index_replay=index_replay)
         x = mix(post, comb, h, x, attn_policy)
         post, comb, collapsed = self.ffn_hc(x, mlp_policy)
         h, routing = self.mlp(self.mlp_norm(collapsed, mlp_policy), mlp_policy, replay, replay_weights,
                               tokens=tokens)
-        return mix(post, comb, h, x, mlp_policy), kv, routing, None
+        return mix(post, comb, h, x, mlp_policy), kv, routing, selection

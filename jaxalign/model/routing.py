@@ -5,9 +5,11 @@ Rollout, the trainer's replay and the record files (`jaxalign.align.replay`).
 Layout: `indices` int32 [batch, seq, moe_layers, k] in top-k slot order, -1 = not routed (padding, or a token
 never forwarded); `weights` float32 [batch, seq, moe_layers, k] the combine weights the pass used; `margins`
 float32 [batch, seq, moe_layers], the router's selection-score gap between the k-th and (k+1)-th expert (how
-close the decision was to flipping). DSA models also carry `index_positions` int32 [batch, seq, layers,
-index_topk], the key positions each query attended to (-1 = none: fewer visible keys, or not forwarded), and
-`index_margins` float32 [batch, seq, layers]; both are None for other models.
+close the decision was to flipping). Models with an indexer (DSA on every layer, DeepSeek-V4's CSA layers) also
+carry `index_positions` int32 [batch, seq, index_layers, index_topk], the key (or compressed entry) positions each
+query attended to (-1 = none: fewer visible keys, or not forwarded), and `index_margins` float32 [batch, seq,
+index_layers]; both are None for other models. `index_layers` are the layers whose kind selects
+(`index_layers(config)`), in layer order.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxalign.model import kinds
 from jaxalign.model.config import ModelConfig
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RoutingRecord:
-    """Expert (and DSA index) choices of a forward pass (see the module docstring for the layout)."""
+    """Expert (and indexer) choices of a forward pass (see the module docstring for the layout)."""
 
     indices: jax.Array
     weights: jax.Array
@@ -39,12 +42,12 @@ class RoutingRecord:
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, seq: int) -> "RoutingRecord":
-        """A record with nothing routed (-1 / 0 / inf everywhere); with index fields iff the model has DSA."""
+        """A record with nothing routed (-1 / 0 / inf everywhere); with index fields iff the model has an indexer."""
         shape = (batch, seq, config.n_moe_layers, config.top_k)
         index_positions = index_margins = None
-        if config.index_topk:
-            index_positions = jnp.full((batch, seq, config.n_layers, config.index_topk), -1, jnp.int32)
-            index_margins = jnp.full((batch, seq, config.n_layers), jnp.inf, jnp.float32)
+        if index_layers(config):
+            index_positions = jnp.full(index_replay_shape(config, batch, seq), -1, jnp.int32)
+            index_margins = jnp.full((batch, seq, len(index_layers(config))), jnp.inf, jnp.float32)
         return cls(indices=jnp.full(shape, -1, jnp.int32), weights=jnp.zeros(shape, jnp.float32),
                    margins=jnp.full(shape[:3], jnp.inf, jnp.float32), index_positions=index_positions,
                    index_margins=index_margins)
@@ -88,7 +91,7 @@ class RoutingRecord:
                              else np.asarray(self.index_margins, np.float32))
             if index_margins.shape != positions.shape[:3]:
                 raise ValueError(f"index margins have shape {index_margins.shape}; expected {positions.shape[:3]} "
-                                 f"= [batch, seq, layers]")
+                                 f"= [batch, seq, index_layers]")
         return RoutingRecord(indices=indices, weights=weights, margins=margins, index_positions=positions,
                              index_margins=index_margins)
 
@@ -98,9 +101,24 @@ def replay_shape(config: ModelConfig, batch: int, seq: int) -> tuple[int, int, i
     return (batch, seq, config.n_moe_layers, config.top_k)
 
 
+def index_layers(config: ModelConfig) -> tuple[int, ...]:
+    """The layers whose kind selects keys by an indexer (`LayerKind.index_topk` > 0: every layer under DSA,
+    the CSA layers of DeepSeek-V4), in layer order: the third axis of index records and index replay."""
+    return tuple(i for i in range(config.n_layers) if kinds.kind_of(config, i).index_topk(config))
+
+
+def index_topk(config: ModelConfig) -> int:
+    """Keys (or entries) each indexing layer selects per query; 0 when the model has no indexer."""
+    sizes = {kinds.kind_of(config, i).index_topk(config) for i in index_layers(config)}
+    if len(sizes) > 1:
+        raise ValueError(f"the indexing layers {index_layers(config)} select {sorted(sizes)} entries; a routing "
+                         f"record holds one index_topk for all of them")
+    return sizes.pop() if sizes else 0
+
+
 def index_replay_shape(config: ModelConfig, batch: int, seq: int) -> tuple[int, int, int, int]:
-    """The shape of index-replay positions for [batch, seq] tokens (DSA models)."""
-    return (batch, seq, config.n_layers, config.index_topk)
+    """The shape of index-replay positions for [batch, seq] tokens: [batch, seq, index_layers, index_topk]."""
+    return (batch, seq, len(index_layers(config)), index_topk(config))
 
 
 def check_expert_indices(indices, config: ModelConfig, batch: int | None = None, seq: int | None = None):
@@ -125,15 +143,17 @@ def check_expert_indices(indices, config: ModelConfig, batch: int | None = None,
 
 
 def check_index_positions(positions, config: ModelConfig, batch: int | None = None, seq: int | None = None):
-    """DSA key positions [batch, seq, layers, index_topk]: the model has an indexer, the shape fits, values
-    are -1 (none) or a position no later than the query's. Traced arrays: shape only."""
+    """Indexer key positions [batch, seq, index_layers, index_topk]: the model has an indexer, the shape fits,
+    values are -1 (none) or a position no later than the query's. Traced arrays: shape only."""
     shape, traced = tuple(np.shape(positions)), isinstance(positions, jax.core.Tracer)
-    if not config.index_topk:
-        raise ValueError("index replay given, but this model has no DSA indexer (index_topk = 0)")
+    if not index_layers(config):
+        raise ValueError(f"index replay given, but this model has no indexer (no layer of kinds "
+                         f"{sorted(set(config.layer_kinds))} selects keys; DSA and DeepSeek-V4's CSA do)")
     want = index_replay_shape(config, batch if batch is not None else (shape[0] if shape else 0),
                               seq if seq is not None else (shape[1] if len(shape) > 1 else 0))
     if shape != want:
-        raise ValueError(f"index_replay has shape {shape}; expected {want} = [batch, seq, layers, index_topk]")
+        raise ValueError(f"index_replay has shape {shape}; expected {want} = [batch, seq, index_layers, "
+                         f"index_topk] (index_layers {index_layers(config)})")
     if traced:
         return positions
     arr = np.asarray(positions)

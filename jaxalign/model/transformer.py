@@ -12,7 +12,7 @@ from jaxalign.model.config import ModelConfig
 from jaxalign.model.hyper import HyperBlock, HyperHead, expand_streams
 from jaxalign.model.layers import DenseMLP, Embedding, Linear, RMSNorm
 from jaxalign.model.moe import MoE
-from jaxalign.model.routing import (RoutingRecord, check_expert_indices, check_index_positions,
+from jaxalign.model.routing import (RoutingRecord, check_expert_indices, check_index_positions, index_layers,
                                     check_replay_weights)
 from jaxalign.model.sharding import constrain
 from jaxalign.numerics import NumericPolicy, as_compute, as_param
@@ -94,7 +94,8 @@ class Transformer(nnx.Module):
         """Full (teacher-forced) forward. `replay`: a RoutingRecord or indices [B, S, moe_layers, k] (R3: the
         expert ids; the combine weights are recomputed). `replay_weights` [B, S, moe_layers, k] (with `replay`;
         R3w): combine weights used as constants for the replayed tokens.
-        `index_replay` (DSA models): key positions [B, S, layers, index_topk] each query attends to.
+        `index_replay` (models with an indexer): key positions [B, S, index_layers, index_topk] each query of an
+        indexing layer attends to (`model/routing.py`).
         `policy` may be a PolicySchedule giving parts of the model other policies."""
         if not isinstance(tokens, jax.core.Tracer):
             check_tokens(tokens, self.config)
@@ -106,8 +107,8 @@ class Transformer(nnx.Module):
                 replay=None, index_replay=None, replay_weights=None, valid=None):
         """Forward with optional per-layer engine states (`kv`: one opaque state per layer, from its kind's
         `init_state`). `valid` [B, S] bool marks real tokens (None: all; see `model/kinds/base.py`). Returns
-        (logits, RoutingRecord, new states or None); under DSA the record carries the indexer's selections
-        (`index_positions`, `index_margins`)."""
+        (logits, RoutingRecord, new states or None); with an indexer the record carries its selections
+        (`index_positions`, `index_margins`) on the indexing layers."""
         cfg = self.config
         require_exact_rounding(policy)  # at trace time: once per compiled program
         b, s = tokens.shape
@@ -125,13 +126,16 @@ class Transformer(nnx.Module):
         if streams:
             x = expand_streams(x, cfg.deepseek_v4.hc_mult)
         new_kv, records, selections = [], [], []
+        indexing = index_layers(cfg)
         for i, block in enumerate(self.blocks):
             layer_replay = layer_weights = None
             if block.is_moe and replay_idx is not None:
                 layer_replay = replay_idx[:, :, len(records)]
                 layer_weights = None if replay_weights is None else replay_weights[:, :, len(records)]
             layer_kv = None if kv is None else kv[i]
-            layer_index = None if index_replay is None else index_replay[:, :, i]
+            layer_index = None
+            if index_replay is not None and i in indexing:
+                layer_index = index_replay[:, :, indexing.index(i)]
             extra = {"tokens": tokens} if streams else {}
             x, layer_kv, routing, selection = block(x, positions, policy, layer_kv, layer_replay, layer=i,
                                                     index_replay=layer_index, replay_weights=layer_weights,

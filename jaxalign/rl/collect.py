@@ -46,7 +46,8 @@ def trainer_inputs(rollout, width: int, replay: str):
         replay_kw["replay_weights"] = pad_to(np.asarray(rollout.routing.weights), width, 1, 0.0)
     if with_index:
         if rollout.routing.index_positions is None:
-            raise ValueError(f"replay = {replay!r} replays DSA index selections; this model has none")
+            raise ValueError(f"replay = {replay!r} replays indexer selections; this model has none (DSA and "
+                             f"DeepSeek-V4's CSA layers have them)")
         replay_kw["index_replay"] = pad_to(np.asarray(rollout.routing.index_positions), width, 1, -1)
     engine_experts = engine_routes if expert_replay in ("r3", "r3w") else None
     return tokens, engine_routes, engine_experts, replay_kw

@@ -13,9 +13,10 @@ The mixer sits in a block's `attn` slot (pre-norm residual: `x + mixer(norm(x))`
   none). A kind whose state summarises the past (a recurrent or conv state) must leave the state of a row
   unchanged at its invalid entries; attention caches may ignore `valid` (a key written at slot = position is
   only ever read by queries at later positions of the same row, and rewritten before that if it was a pad);
-- `index_replay` [B, S, index_topk] (DSA only, else ignored): recorded key positions;
-- returns the output [B, S, D], the new state (None when `state` was None) and a selection (the DSA indexer's
-  (positions, margins), None for other kinds).
+- `index_replay` [B, S, index_topk] (kinds whose `index_topk(cfg)` > 0, else ignored): recorded key (or
+  compressed entry) positions;
+- returns the output [B, S, D], the new state (None when `state` was None) and a selection (an indexer's
+  (positions [B, S, index_topk], margins [B, S]): DSA's, DeepSeek-V4's CSA; None for kinds without one).
 
 Continuous batching refills a slot with a new request: before the slot's first token the engine calls
 `reset_state(cfg, state, rows)` with `rows` [B] bool marking the refilled slots, so a request never sees its
@@ -52,6 +53,13 @@ class LayerKind:
     def build(self, cfg, layer: int, *, rngs):
         """The mixer module (an nnx.Module answering the call above) for layer `layer`."""
         raise NotImplementedError
+
+    def index_topk(self, cfg) -> int:
+        """How many keys or entries this kind's indexer selects for each query (the last axis of its selection and
+        of `index_replay`); 0 (the default): the kind selects nothing, returns no selection and ignores
+        `index_replay`. The routing record holds one selection per layer whose kind says > 0
+        (`model/routing.py:index_layers`)."""
+        return 0
 
     def form(self, policy) -> str:
         """The form `policy` selects for this kind (e.g. MLA's expanded or absorbed), for reports."""

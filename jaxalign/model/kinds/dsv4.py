@@ -212,6 +212,9 @@ class DeepseekV4CSAKind(DeepseekV4Kind):
     name = "dsv4_csa"
     compression = "csa"
 
+    def index_topk(self, cfg) -> int:
+        return cfg.deepseek_v4.index_topk
+
 
 class DeepseekV4HCAKind(DeepseekV4Kind):
     """Heavily compressed attention (transformers' `heavily_compressed_attention` layers)."""

@@ -186,6 +186,9 @@ class DSA(MLA):
     fields = MLA_FIELDS + DSA_FIELDS
     indexed = True
 
+    def index_topk(self, cfg) -> int:
+        return cfg.index_topk
+
     def validate(self, cfg) -> None:
         super().validate(cfg)
         if cfg.q_lora_rank is None or cfg.index_topk <= 0:
