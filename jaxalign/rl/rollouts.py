@@ -9,11 +9,15 @@ same exported weights) raises `SyncMismatch` when one fails, which stops the run
 engine count the step's syncs and how many were verified (`engine_syncs`, `engine_syncs_verified`).
 
 The engine is opened when first used, from the weights it must first generate with, so a resumed run opens it at
-its checkpoint's weights (no reload); an engine handed in by the caller holds the starting weights (version 0).
+its checkpoint's weights (no reload); an engine that verifies its syncs verifies that load as it would a sync, and
+the row counts it as the sync it stands for (uninterrupted, that batch's weights came by a sync), so a resumed
+run's rows count what the uninterrupted run's do. An engine handed in by the caller holds the starting weights
+(version 0).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxalign.engines import LocalEngine, RolloutEngine, VllmSpec, open_engine
@@ -57,6 +61,7 @@ class Rollouts:
         self._engine, self._owned = engine, engine is None
         self.engine_version = 0 if engine is not None else None  # the weight version the engine holds
         self._eval_engine = None
+        self._opening_reports: list[dict] = []  # a resumed run's verified first load, counted by the next `at`
         # asynchronous rollouts (max_lag k >= 1): the engine, driven by one worker thread, generates batch t with
         # the weights of version behaviour_version(t, k) while the trainer's thread scores and updates earlier ones
         self.behaviour = {0: learner.params}  # weight version -> weights, for the versions pending batches need
@@ -74,9 +79,21 @@ class Rollouts:
         """The rollout engine, opened (on the calling thread: start engines from a thread that lives as long as
         they do) with the weights `params` of `version` when it is not open yet."""
         if self._engine is None:
+            start = time.perf_counter()
             self._engine = open_rollout_engine(self.config, self._model(params), mesh=self.engine_mesh)
             self.engine_version = version
+            if version > 0:
+                self._opening_reports = self._verified_opening(self._engine, time.perf_counter() - start)
         return self._engine
+
+    @staticmethod
+    def _verified_opening(engine: RolloutEngine, seconds: float) -> list[dict]:
+        """The report of an engine opened at weights version > 0 (a resumed run), where the uninterrupted run
+        synced: for an engine that verifies its syncs (`verify_sync`), its first load checked against a fresh load
+        in a process apart, as a sync is (`SyncMismatch` when it differs); [] for one that does not."""
+        if not getattr(engine, "verify_sync", False):
+            return []
+        return [{"method": "load", "seconds": seconds, **engine.verify()}]
 
     @property
     def engine(self) -> RolloutEngine:
@@ -156,10 +173,12 @@ class Rollouts:
 
     def at(self, version: int, params) -> list[dict]:
         """Make the rollout engine hold the weights of `version` (`params`): opened with them, or synced when it
-        holds another version. The sync reports ([] when nothing was synced)."""
+        holds another version. The sync reports ([] when nothing was synced; a resumed run's verified first load,
+        see `open`)."""
         engine = self.open(version, params)
         if self.engine_version == version:
-            return []
+            reports, self._opening_reports = self._opening_reports, []
+            return reports
         return [self.sync(engine, version, params)]
 
     # --- asynchronous rollouts ------------------------------------------------------------------------------
