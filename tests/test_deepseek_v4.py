@@ -2,7 +2,8 @@
 weights; sinks, compressor position biases, hyper-connection bases and scales, router biases, norms and hash
 tables perturbed so each matters) loads through the project's loader and gives transformers' fp32 logits over 96
 tokens, full forward and cached decode both ways. Its layers mix every kind: HCA, CSA (indexer keeping 5 of up to
-24 entries), sliding-only, two hash-routed MoE layers, three hyper-connection streams. Also: the bitwise export,
+24 entries), sliding-only, two hash-routed MoE layers, three hyper-connection streams, YaRN on the compressed
+layers. Also: the bitwise export,
 and bad configs refused by name. The engine's side (aligned-bf16 bitwise) is tests/test_deepseek_v4_engine.py."""
 
 import json
@@ -35,7 +36,12 @@ CONFIG = dict(vocab_size=96, hidden_size=64, moe_intermediate_size=32, num_hidde
               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
               compress_rope_theta=40000.0, rope_theta=10000.0, hc_mult=3, hc_sinkhorn_iters=7, sliding_window=16,
               o_groups=2, o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=5, swiglu_limit=0.8,
-              max_position_embeddings=128, initializer_range=0.1)
+              max_position_embeddings=128, initializer_range=0.1,
+              # YaRN on the compressed layers, as the released V4 configs have it (transformers nests it under
+              # rope_parameters.compress with attention_factor 1): over 32 original positions it rescales all but
+              # the first two of the 8 rotary frequencies, and moves transformers' logits by ~2
+              rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                               "beta_fast": 32.0, "beta_slow": 1.0})
 SEQ = 96
 
 
@@ -94,6 +100,7 @@ def test_fp32_logits_match_transformers(deepseek_v4):
     assert cfg.family == "deepseek_v4" and cfg.router == "sqrtsoftplus" and cfg.n_kv_heads == 1
     assert cfg.layer_kinds == ("dsv4_hca", "dsv4_csa", "dsv4_sliding", "dsv4_csa")
     assert v4.hash_layers == (0, 1) and v4.hc_mult == 3 and v4.hc_iters == 7 and (v4.csa_rate, v4.hca_rate) == (4, 16)
+    assert (v4.compress_yarn.factor, v4.compress_yarn.original_max_position) == (4.0, 32)
     table = model.model.layers[0].mlp.gate.tid2eid.numpy()
     np.testing.assert_array_equal(ours.blocks[0].mlp.table.array, table)
     assert len(np.unique(table[:, 0])) > 1
@@ -164,9 +171,15 @@ def test_export_is_bitwise_and_loads_back_in_transformers(deepseek_v4, tmp_path)
     ({"scoring_func": "softmax"}, "scoring_func = 'softmax' is not supported"),
     ({"num_key_value_heads": 2}, "num_key_value_heads = 2"),
     ({"n_shared_experts": 2}, "n_shared_experts = 2"),
+    ({"rope_parameters": {"main": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                   "original_max_position_embeddings": 32},
+                          "compress": {"rope_type": "default", "rope_theta": 4e4}}},
+     "rope_parameters.main.rope_type = 'yarn'"),
     ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4},
-                          "compress": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 4e4}}},
-     "rope_parameters.compress.rope_type = 'yarn'"),
+                          "compress": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 4e4, "attention_factor": 1.3,
+                                       "original_max_position_embeddings": 32}}},
+     "rope_parameters.compress.attention_factor = 1.3"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 4.0}}, "rope_parameters.rope_type = 'linear'"),
     ({"layer_types": ["full_attention"] * 4}, "layer_types holds ['full_attention']"),
     ({"mlp_layer_types": ["dense"] * 4}, "mlp_layer_types"),
 ])

@@ -225,6 +225,9 @@ hyper-connection and MoE settings in one typed field; a model with it runs `mode
         that kind (e.g. the MLA fields only for an MLA model), `layer_types` only when set."""
         from jaxalign.model import kinds
         out = dataclasses.asdict(self)
+        for name, value in out.items():  # a settings value with its own dict form (e.g. DeepseekV4's) gives it
+            if hasattr(getattr(self, name), "to_dict"):
+                out[name] = getattr(self, name).to_dict()
         used = {field for kind in kinds.kinds_of(self) for field in kind.fields}
         for name in {field for kind in kinds.all_kinds() for field in kind.fields} - used:
             del out[name]

@@ -82,6 +82,11 @@ class V4Attention(nnx.Module):
         """This layer's RoPE base: the compressed theta on CSA / HCA layers, rope_theta on sliding ones."""
         return self.cfg.rope_theta if self.compression == "none" else self.cfg.deepseek_v4.compress_theta
 
+    @property
+    def inv_freq(self):
+        """This layer's scaled RoPE frequencies (the compressed layers' YaRN), or None (theta's own)."""
+        return None if self.compression == "none" else self.cfg.deepseek_v4.compress_inv_freq(self.cfg.rotary_dim)
+
     def _select(self, x, q_latent, positions, policy, state, index_replay, valid):
         """The CSA indexer: (allowed [B, S, T] entries each query attends to, selection or None, new state)."""
         v4 = self.cfg.deepseek_v4
@@ -103,11 +108,12 @@ class V4Attention(nnx.Module):
         cfg, v4 = self.cfg, self.cfg.deepseek_v4
         b, s, _ = x.shape
         h, dh = cfg.n_heads, cfg.head_dim
+        freqs = self.inv_freq
         q_latent = self.q_a_norm(self.q_a_proj(x, policy), policy)
         q = unweighted_rms_norm(self.q_b_proj(q_latent, policy).reshape(b, s, h, dh), policy, cfg.rms_eps)
-        q = rope_tail(q, positions, self.theta, cfg.rotary_dim, policy)
+        q = rope_tail(q, positions, self.theta, cfg.rotary_dim, policy, freqs)
         kv = self.kv_norm(self.kv_proj(x, policy), policy)
-        kv = cast(rope_tail(kv[:, :, None], positions, self.theta, cfg.rotary_dim, policy)[:, :, 0],
+        kv = cast(rope_tail(kv[:, :, None], positions, self.theta, cfg.rotary_dim, policy, freqs)[:, :, 0],
                   policy.kv_cache_dtype)
         new_state = None
         if state is None:
@@ -141,7 +147,7 @@ class V4Attention(nnx.Module):
             allowed = interleave(raw_allowed, e_allowed, self.rate, 2)
         out = attention(q, jnp.transpose(keys, (0, 2, 1))[:, None], keys[:, None], positions, k_pos, policy,
                         allowed=allowed, sinks=as_param(self.sinks[...], policy))
-        out = rope_tail(out, -positions, self.theta, cfg.rotary_dim, policy)  # un-rotate the values' tail
+        out = rope_tail(out, -positions, self.theta, cfg.rotary_dim, policy, freqs)  # un-rotate the values' tail
         groups = out.reshape(b, s, v4.o_groups, -1)
         w = as_param(self.o_a_proj[...], policy)
         mixed = jnp.concatenate([matmul(groups[:, :, g], w[g], policy) for g in range(v4.o_groups)], axis=-1)

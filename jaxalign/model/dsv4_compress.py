@@ -85,8 +85,9 @@ class Compressor(nnx.Module):
         pooled = reduce_sum(kv * weights, policy, axis=2)  # [B, nb, d]
         normed = self.kv_norm(pooled, policy)
         positions = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32) * r, (b, nb))
-        rotated = rope_tail(normed[:, :, None], positions, self.cfg.deepseek_v4.compress_theta,
-                            self.rope_dim, policy)[:, :, 0]
+        v4 = self.cfg.deepseek_v4
+        rotated = rope_tail(normed[:, :, None], positions, v4.compress_theta, self.rope_dim, policy,
+                            v4.compress_inv_freq(self.rope_dim))[:, :, 0]
         return cast(rotated, policy.kv_cache_dtype)
 
     @property
@@ -130,6 +131,7 @@ class Indexer(nnx.Module):
         v4 = self.cfg.deepseek_v4
         b, s, _ = x.shape
         q = self.q_b_proj(q_latent, policy).reshape(b, s, v4.index_heads, v4.index_dim)
-        q = rope_tail(q, positions, v4.compress_theta, self.cfg.rotary_dim, policy)
+        q = rope_tail(q, positions, v4.compress_theta, self.cfg.rotary_dim, policy,
+                      v4.compress_inv_freq(self.cfg.rotary_dim))
         weights = self.weights_proj(x, policy).astype(jnp.float32) * jnp.float32(v4.index_heads ** -0.5)
         return q, weights

@@ -10,8 +10,9 @@ fused by `tensors_out`), `mlp.gate.weight`, `mlp.gate.e_score_correction_bias` (
 and `model.hc_head.*` (`block_params`, `model_params`). The multi-token-prediction tensors (`mtp.*`) are left
 out, as transformers leaves them.
 
-Refused by name: RoPE scaling (YaRN on the compressed layers: rope_type other than default in `main` or
-`compress`), scoring_func other than sqrtsoftplus, more than one KV head, attention or MLP biases, a hidden_act
+RoPE: the sliding layers' (`main`) unscaled at rope_theta; the compressed layers' (`compress`) at
+compress_rope_theta, unscaled or YaRN (`DeepseekV4.compress_yarn`) with the attention factor 1 transformers fixes
+for V4. Refused by name: other RoPE scalings (or YaRN on `main`, or another attention factor), scoring_func other than sqrtsoftplus, more than one KV head, attention or MLP biases, a hidden_act
 other than silu, n_shared_experts other than 1. transformers ignores `norm_topk_prob` (its routers always
 renormalise): so does this mapping.
 """
@@ -22,10 +23,15 @@ import numpy as np
 
 from jaxalign.interop.families.base import Family, get
 from jaxalign.model.dsv4 import DeepseekV4 as Settings
+from jaxalign.model.rope_scaling import Yarn
 
 LAYER_TYPES = {"sliding_attention": "dsv4_sliding", "compressed_sparse_attention": "dsv4_csa",
                "heavily_compressed_attention": "dsv4_hca"}
 DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def _rope_type(params: dict) -> str:
+    return params.get("rope_type", params.get("type", "default"))
 
 
 # DeepSeek's checkpoint names -> transformers' module names inside a layer, applied in this order (the inverse
@@ -88,6 +94,7 @@ class DeepseekV4(Family):
     router = "sqrtsoftplus"
     qk_norm = "none"
     expert_names = ("w1", "w3", "w2")  # per-expert, as the checkpoints hold them
+    rope_types = ("default", "yarn")  # YaRN on the compressed layers only (`_compress_yarn`)
 
     # --- config.json -------------------------------------------------------------------------------------------
     def refuse(self, hf: dict) -> None:
@@ -105,16 +112,12 @@ class DeepseekV4(Family):
         if hf.get("n_shared_experts", 1) != 1:
             raise ValueError(f"n_shared_experts = {hf['n_shared_experts']} is not supported for deepseek_v4; "
                              f"supported: 1 (transformers builds one shared expert)")
-        rope = hf.get("rope_parameters") or {}
-        for label in ("main", "compress"):
-            sub = rope.get(label) if isinstance(rope.get(label), dict) else {}
-            rope_type = sub.get("rope_type", sub.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(f"rope_parameters.{label}.rope_type = {rope_type!r} is not supported for "
-                                 f"deepseek_v4; supported: default (unscaled RoPE)")
-        if not isinstance(rope.get("main"), dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"rope_parameters.rope_type = {rope.get('rope_type', rope.get('type'))!r} is not "
-                             f"supported for deepseek_v4; supported: default (unscaled RoPE)")
+        main = self._rope(hf, "main")
+        if _rope_type(main) != "default":
+            raise ValueError(f"rope_parameters.main.rope_type = {_rope_type(main)!r} is not supported for "
+                             f"deepseek_v4; supported: default (the sliding layers' RoPE is unscaled; YaRN belongs "
+                             f"to rope_parameters.compress)")
+        self._compress_yarn(hf)  # refuses what it cannot read
         for name in ("quantization_config",):
             if hf.get(name) is not None:
                 raise ValueError(f"{name} is not supported for deepseek_v4; supported: an unquantised checkpoint")
@@ -142,10 +145,37 @@ class DeepseekV4(Family):
         return tuple(i for i, t in enumerate(types) if t == "hash_moe")
 
     @staticmethod
-    def _theta(hf: dict, label: str, fallback: str, default: float) -> float:
-        rope = hf.get("rope_parameters") or {}
-        sub = rope.get(label) if isinstance(rope.get(label), dict) else {}
-        return float(sub.get("rope_theta", hf.get(fallback, default)))
+    def _rope(hf: dict, label: str) -> dict:
+        """The `rope_parameters` of rope type `label` (main: the sliding layers, compress: CSA / HCA), from the
+        nested form transformers writes or the flat one it nests: a flat form's scaling is the compressed
+        layers' (as transformers reads it), the sliding layers' RoPE then unscaled."""
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if isinstance(rope.get(label), dict):
+            return rope[label]
+        if any(isinstance(v, dict) for v in rope.values()):
+            return {}
+        return rope if label == "compress" else {}
+
+    def _compress_yarn(self, hf: dict) -> Yarn | None:
+        """YaRN of the compressed layers (rope_parameters.compress of rope_type yarn), or None. transformers sets
+        its attention factor to 1 for V4 (cos and sin unscaled); another value is refused by name."""
+        sub = self._rope(hf, "compress")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        field = ("rope_parameters" if hf.get("rope_parameters") else "rope_scaling") + \
+            (".compress" if isinstance(rope.get("compress"), dict) else "")
+        rope_type = _rope_type(sub)
+        if rope_type == "default":
+            return None
+        if rope_type != "yarn":
+            raise ValueError(f"{field}.rope_type = {rope_type!r} is not supported for deepseek_v4; supported: "
+                             f"default, yarn")
+        if sub.get("attention_factor") not in (None, 1.0):
+            raise ValueError(f"{field}.attention_factor = {sub['attention_factor']!r} is not supported for "
+                             f"deepseek_v4; supported: 1.0 (V4 leaves cos and sin unscaled)")
+        return Yarn.from_hf({k: v for k, v in sub.items() if k != "attention_factor"}, field)
+
+    def _theta(self, hf: dict, label: str, fallback: str, default: float) -> float:
+        return float(self._rope(hf, label).get("rope_theta", hf.get(fallback, default)))
 
     def config_fields(self, hf: dict, common: dict) -> dict:
         """The MoE's sizes and router, and every DeepSeek-V4 setting as `ModelConfig.deepseek_v4`."""
@@ -156,6 +186,7 @@ class DeepseekV4(Family):
             q_rank=hf.get("q_lora_rank", 1024), window=hf.get("sliding_window", 128),
             csa_rate=rates["compressed_sparse_attention"], hca_rate=rates["heavily_compressed_attention"],
             compress_theta=self._theta(hf, "compress", "compress_rope_theta", 160000.0),
+            compress_yarn=self._compress_yarn(hf),
             o_groups=hf.get("o_groups", 8), o_rank=hf.get("o_lora_rank", 1024),
             index_heads=hf.get("index_n_heads", 64), index_dim=hf.get("index_head_dim", 128),
             index_topk=hf.get("index_topk", 512), hc_mult=hf.get("hc_mult", 4),
@@ -197,7 +228,9 @@ class DeepseekV4(Family):
             rope_parameters={"main": {"rope_type": "default", "rope_theta": cfg.rope_theta,
                                       "partial_rotary_factor": cfg.partial_rotary_factor},
                              "compress": {"rope_type": "default", "rope_theta": v4.compress_theta,
-                                          "partial_rotary_factor": cfg.partial_rotary_factor}})
+                                          "partial_rotary_factor": cfg.partial_rotary_factor,
+                                          **({} if v4.compress_yarn is None else
+                                             dict(v4.compress_yarn.to_hf(), attention_factor=1.0))}})
 
     # --- tensors -----------------------------------------------------------------------------------------------
     def ignores(self, name: str) -> bool:
