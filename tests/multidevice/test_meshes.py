@@ -311,6 +311,30 @@ def test_hybrid_generation_and_scoring_are_bitwise_on_a_mesh(spec, schedule, pre
 
 
 @pytest.mark.bitwise
+@pytest.mark.parametrize("preset", [
+    full_matrix(preset, "test_hybrid_generation_and_scoring_are_bitwise_on_a_mesh[fsdp=2,expert=2,tensor=2-static-4]",
+                "the same sharded engine and trainer claim on another family (about 90 s more each on 2 cores)")
+    for preset in ("tiny-gpt-oss", "tiny-deepseek-v4")])
+def test_newest_families_generate_and_score_bitwise_on_a_mesh(preset):
+    """gpt-oss (sinks, sliding layers, biased projections) and DeepSeek-V4 (hyper-connection streams, CSA and HCA
+    compressors and indexer, hash routing) under aligned-bf16 on fsdp=2,expert=2,tensor=2: the sharded engine
+    (static batch 8, prefill in chunks of 4) generates the one-device tokens, logprobs, experts and index
+    selections, and the sharded trainer scores them to the engine's bits."""
+    model = build_model(preset)
+    cfg, mesh = model.config, make_mesh("fsdp=2,expert=2,tensor=2")
+    kw = dict(max_new_tokens=8, temperature=1.0, seed=5, batch_size=8, prefill_chunk=4)
+    one = generate(model, _prompts(cfg), ALIGNED, **kw)
+    sharded = generate(model, _prompts(cfg), ALIGNED, mesh=mesh, **kw)
+    np.testing.assert_array_equal(sharded.tokens, one.tokens)
+    np.testing.assert_array_equal(sharded.logprobs, one.logprobs)
+    np.testing.assert_array_equal(sharded.routing.indices, one.routing.indices)
+    if one.routing.index_positions is not None:
+        np.testing.assert_array_equal(sharded.routing.index_positions, one.routing.index_positions)
+    scored = np.asarray(token_logprobs(model, one.tokens, ALIGNED, mesh=mesh)[0])
+    np.testing.assert_array_equal(np.where(one.mask, scored, 0.0), np.where(one.mask, one.logprobs, 0.0))
+
+
+@pytest.mark.bitwise
 def test_cross_device_knob(model):
     """The knob test of `cross_device`: on fsdp=4,tensor=2 the partitioner's all-reduces (xla) change the bits,
     ordered restores the one-device bits."""
