@@ -158,6 +158,18 @@ def test_export_is_bitwise_and_loads_back_in_transformers(gpt_oss, tmp_path):
         np.testing.assert_array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
 
 
+def test_mxfp4_export_is_refused_where_checkpoints_have_none(tmp_path):
+    """`save(..., experts=...)`: a format other than float / mxfp4, or MXFP4 experts for a family whose checkpoints
+    carry none, is refused by name before anything is written."""
+    from conftest import build_model
+    tiny = build_model("tiny")
+    with pytest.raises(ValueError, match="experts = 'int4'; allowed: float, mxfp4"):
+        hf.save(tiny, str(tmp_path / "a"), experts="int4")
+    with pytest.raises(ValueError, match="experts = 'mxfp4' export is not supported for qwen3_moe"):
+        hf.save(tiny, str(tmp_path / "b"), experts="mxfp4")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def _torch_dequantised(blocks, scales):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     return convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32).numpy()
@@ -190,8 +202,8 @@ def test_mxfp4_decode_equals_transformers_dequantisation_bitwise():
 def test_mxfp4_checkpoint_loads_its_exact_values(gpt_oss, tmp_path):
     """An MXFP4 checkpoint (the released layout: uint8 *_blocks / *_scales for the experts, quantization_config
     mxfp4): its experts load as exactly the values transformers dequantises them to, the model gives the logits of
-    transformers holding those values, and re-quantising the masters (what an aligned-mxfp4 engine does at a sync)
-    gives them back bit for bit."""
+    transformers holding those values, re-quantising the masters (what an aligned-mxfp4 engine does at a sync)
+    gives them back bit for bit, and so does an MXFP4 export."""
     import jax
     from safetensors.numpy import load_file, save_file
     model, path = gpt_oss
@@ -225,6 +237,21 @@ def test_mxfp4_checkpoint_loads_its_exact_values(gpt_oss, tmp_path):
         for master in (block.mlp.w_gate, block.mlp.w_up, block.mlp.w_down):
             again = np.asarray(requantised(master[...]))
             np.testing.assert_array_equal(again.view(np.uint32), np.asarray(master[...]).view(np.uint32))
+    # exported back in MXFP4 (`save(..., experts="mxfp4")`): transformers dequantises the written blocks to the
+    # checkpoint's values bit for bit, and the export loads back to the same masters
+    exported = tmp_path / "mxfp4-export"
+    hf.save(ours, str(exported), experts="mxfp4")
+    written = load_file(str(exported / "model.safetensors"))
+    assert json.load(open(exported / "config.json"))["quantization_config"]["quant_method"] == "mxfp4"
+    for name, values in decoded.items():
+        assert name not in written and written[name + "_blocks"].dtype == np.uint8
+        again = _torch_dequantised(written[name + "_blocks"], written[name + "_scales"])
+        np.testing.assert_array_equal(again.view(np.uint32), values.view(np.uint32))
+    reloaded = hf.load(str(exported))
+    for block, back in zip(ours.blocks, reloaded.blocks):
+        for name in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"):
+            np.testing.assert_array_equal(np.asarray(getattr(back.mlp, name)[...]),
+                                          np.asarray(getattr(block.mlp, name)[...]))
     with torch.no_grad():
         for layer, mod in enumerate(model.model.layers):
             p = f"model.layers.{layer}.mlp.experts."

@@ -256,12 +256,24 @@ def tensors_to_hf(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
             for k, v in family.tensors_out(out, cfg).items()}
 
 
-def save(model: Transformer, path: str, dtype=np.float32) -> None:
-    """Write config.json + model.safetensors that transformers' `from_pretrained` loads."""
-    os.makedirs(path, exist_ok=True)
+EXPERT_FORMATS = ("float", "mxfp4")
+
+
+def save(model: Transformer, path: str, dtype=np.float32, *, experts: str = "float") -> None:
+    """Write config.json + model.safetensors that transformers' `from_pretrained` loads. `experts="mxfp4"`: the
+    routed experts in the family's MXFP4 checkpoint layout (gpt_oss only, `Family.quantize_experts`), quantised
+    from the float32 masters; the other tensors in `dtype`."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts = {experts!r}; allowed: {', '.join(EXPERT_FORMATS)}")
     hf_config = config_to_hf(model.config)
     hf_config["torch_dtype"] = "bfloat16" if dtype == ml_dtypes.bfloat16 else "float32"
-    tensors = tensors_to_hf(model, dtype)
+    if experts == "float":
+        tensors = tensors_to_hf(model, dtype)
+    else:  # quantised from float32 (never from a bf16 copy), then the rest cast
+        tensors, hf_config["quantization_config"] = _family_of(model.config).quantize_experts(
+            tensors_to_hf(model, np.float32), model.config, experts)
+        tensors = {k: np.ascontiguousarray(v.astype(dtype) if v.dtype.kind == "f" else v) for k, v in tensors.items()}
+    os.makedirs(path, exist_ok=True)
     tmp = os.path.join(path, "model.safetensors.tmp")
     save_file(tensors, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(path, "model.safetensors"))

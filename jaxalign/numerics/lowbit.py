@@ -190,6 +190,19 @@ def mxfp4_from_blocks(blocks: np.ndarray, scales: np.ndarray) -> LowBitWeight:
                         MX_BLOCK)
 
 
+def mxfp4_to_blocks(weight: LowBitWeight) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `mxfp4_from_blocks`: an MXFP4 `LowBitWeight` [..., K, N] as checkpoint `blocks` [..., N, K/32,
+    16] (two E2M1 codes a byte, the even element in the low nibble) and `scales` [..., N, K/32] (E8M0 bytes)."""
+    if weight.fmt != "mxfp4":
+        raise ValueError(f"mxfp4_to_blocks takes an MXFP4 weight, got {weight.format_text}")
+    codes = np.swapaxes(np.asarray(weight.codes, np.uint8), -1, -2)  # [..., N, K]
+    if codes.shape[-1] % MX_BLOCK:
+        raise ValueError(f"MXFP4 checkpoint blocks hold whole blocks of {MX_BLOCK}; K = {codes.shape[-1]}")
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // MX_BLOCK, MX_BLOCK // 2, 2)
+    blocks = np.ascontiguousarray((pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8))
+    return blocks, np.ascontiguousarray(np.swapaxes(np.asarray(weight.scales, np.uint8), -1, -2))
+
+
 def quantize_int4(w: jax.Array, group: int, scale_format: str) -> LowBitWeight:
     """w [..., K, N] (float32 master) as symmetric INT4 with one scale per `group` along K (module docstring)."""
     w = w.astype(jnp.float32)

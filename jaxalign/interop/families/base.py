@@ -62,6 +62,13 @@ class Family:
         """The inverse of `tensors_in`: the layer kinds' tensors in this family's checkpoint layout."""
         return tensors
 
+    def quantize_experts(self, tensors: dict, cfg: ModelConfig, fmt: str) -> tuple[dict, dict]:
+        """The checkpoint's tensors (`tensors_out`'s, float32) with the routed experts in the 4-bit format `fmt`
+        this family's checkpoints use, and the config.json `quantization_config` naming it. By default refused:
+        only gpt_oss checkpoints carry quantised experts."""
+        raise ValueError(f"experts = {fmt!r} export is not supported for {self.model_type}; supported: float "
+                         f"(MXFP4 experts are gpt_oss's checkpoint format)")
+
     def block_params(self, cfg: ModelConfig, t, prefix: str, layer: int, block: dict) -> None:
         """Add a decoder layer's parameters beyond the shared names to `block` (its parameter dict), taking
         tensors with `t.take(name, shape)` (`t.has(name)` tests); e.g. DeepSeek-V4's hyper-connections. By

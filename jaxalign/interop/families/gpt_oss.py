@@ -10,7 +10,8 @@ checkpoints quantise the experts to MXFP4 (`quantization_config.quant_method = "
 [E, 2I, H/32, 16] and `gate_up_proj_scales` [E, 2I, H/32] (uint8), `down_proj_blocks` / `_scales` alike. They
 are decoded through jaxalign's MXFP4 format (`numerics.lowbit.mxfp4_from_blocks`, exactly: a code times its
 power-of-two scale) into the float32 masters; an `aligned-mxfp4` or `serve-mxfp4` engine quantises those back to
-the same values. `save` writes the float layout (no quantization_config).
+the same values. `save` writes the float layout (no quantization_config), or with `experts="mxfp4"` the
+released one (`quantize_experts`).
 
 Defaults follow transformers' `GptOssConfig` where config.json leaves a field out (layer_types alternating from a
 sliding first layer, YaRN factor 32 over 4096 positions, rope_theta 150000, swiglu alpha 1.702 and limit 7);
@@ -19,10 +20,11 @@ the sizes (`head_dim` included: transformers' default is 64, not hidden / heads)
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxalign.interop.families.base import Family, get
-from jaxalign.numerics.lowbit import mxfp4_from_blocks
+from jaxalign.numerics.lowbit import mxfp4_from_blocks, mxfp4_to_blocks, quantize_mxfp4
 
 # transformers' GptOssConfig defaults for the fields a config.json may leave out
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -154,6 +156,22 @@ class GptOss(Family):
             raise ValueError(f"{name}: MXFP4 blocks of 32 hold {values.shape[1]} inputs; the config needs {cols} (a "
                              f"multiple of 32)")
         return values
+
+    def quantize_experts(self, tensors: dict, cfg, fmt: str) -> tuple[dict, dict]:
+        """MXFP4 experts as the released checkpoints hold them (`gate_up_proj_blocks` / `_scales`, `down_proj_*`),
+        quantised from the float32 masters by jaxalign's MXFP4 format (`numerics.lowbit.quantize_mxfp4`): masters
+        that came from an MXFP4 checkpoint are written back to the same values (a block whose largest code is
+        below 4 may come out at half the scale with doubled codes: the OCP canonical form of the same values);
+        other masters are rounded to MXFP4. Biases stay float."""
+        if fmt != "mxfp4":
+            raise ValueError(f"experts = {fmt!r}; supported for gpt_oss: float, mxfp4")
+        tensors = dict(tensors)
+        for p in self._experts_prefixes(cfg):
+            for proj in ("gate_up_proj", "down_proj"):
+                weight = quantize_mxfp4(jnp.asarray(tensors.pop(p + proj), jnp.float32))  # [E, in, out]
+                tensors[p + proj + "_blocks"], tensors[p + proj + "_scales"] = mxfp4_to_blocks(weight)
+        return tensors, {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 
     def tensors_out(self, tensors: dict, cfg) -> dict:
         """The per-expert tensors `interop.hf` writes, fused and interleaved as gpt-oss checkpoints hold them."""
