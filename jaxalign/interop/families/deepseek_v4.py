@@ -112,7 +112,7 @@ class DeepseekV4(Family):
         if hf.get("n_shared_experts", 1) != 1:
             raise ValueError(f"n_shared_experts = {hf['n_shared_experts']} is not supported for deepseek_v4; "
                              f"supported: 1 (transformers builds one shared expert)")
-        main = self._rope(hf, "main")
+        main = self._rope(hf, "main")[0]
         if _rope_type(main) != "default":
             raise ValueError(f"rope_parameters.main.rope_type = {_rope_type(main)!r} is not supported for "
                              f"deepseek_v4; supported: default (the sliding layers' RoPE is unscaled; YaRN belongs "
@@ -145,24 +145,23 @@ class DeepseekV4(Family):
         return tuple(i for i, t in enumerate(types) if t == "hash_moe")
 
     @staticmethod
-    def _rope(hf: dict, label: str) -> dict:
-        """The `rope_parameters` of rope type `label` (main: the sliding layers, compress: CSA / HCA), from the
-        nested form transformers writes or the flat one it nests: a flat form's scaling is the compressed
-        layers' (as transformers reads it), the sliding layers' RoPE then unscaled."""
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    def _rope(hf: dict, label: str) -> tuple[dict, str]:
+        """(the `rope_parameters` of rope type `label`, the config field that holds them) -- main: the sliding
+        layers, compress: CSA / HCA -- from the nested form transformers writes or the flat one it nests: a flat
+        form's scaling is the compressed layers' (as transformers reads it), the sliding layers' RoPE then
+        unscaled."""
+        field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        rope = hf.get(field) or {}
         if isinstance(rope.get(label), dict):
-            return rope[label]
+            return rope[label], f"{field}.{label}"
         if any(isinstance(v, dict) for v in rope.values()):
-            return {}
-        return rope if label == "compress" else {}
+            return {}, f"{field}.{label}"
+        return (rope if label == "compress" else {}), field
 
     def _compress_yarn(self, hf: dict) -> Yarn | None:
         """YaRN of the compressed layers (rope_parameters.compress of rope_type yarn), or None. transformers sets
         its attention factor to 1 for V4 (cos and sin unscaled); another value is refused by name."""
-        sub = self._rope(hf, "compress")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        field = ("rope_parameters" if hf.get("rope_parameters") else "rope_scaling") + \
-            (".compress" if isinstance(rope.get("compress"), dict) else "")
+        sub, field = self._rope(hf, "compress")
         rope_type = _rope_type(sub)
         if rope_type == "default":
             return None
@@ -175,7 +174,7 @@ class DeepseekV4(Family):
         return Yarn.from_hf({k: v for k, v in sub.items() if k != "attention_factor"}, field)
 
     def _theta(self, hf: dict, label: str, fallback: str, default: float) -> float:
-        return float(self._rope(hf, label).get("rope_theta", hf.get(fallback, default)))
+        return float(self._rope(hf, label)[0].get("rope_theta", hf.get(fallback, default)))
 
     def config_fields(self, hf: dict, common: dict) -> dict:
         """The MoE's sizes and router, and every DeepSeek-V4 setting as `ModelConfig.deepseek_v4`."""
